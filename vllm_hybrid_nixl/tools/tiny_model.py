@@ -1,0 +1,109 @@
+"""Build tiny random-weight models (and a locally trained tokenizer) that vLLM loads.
+
+Nothing is downloaded: weights are random with a fixed seed, the tokenizer is a small
+BPE trained with ``tokenizers`` on generated text.  The hybrid architectures mix
+sliding-window and full-attention layers so vLLM forms several KV-cache groups.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHES = ("llama", "llama-hybrid")
+_WORDS = (
+    "the a prefill decode engine block cache layer token model router request kv "
+    "transfer hybrid sliding window full attention memory page group ray actor "
+    "cluster node fast slow small large red green blue one two three four five "
+    "six seven eight nine ten is was and or to of in on at by with from"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    arch: str = "llama-hybrid"
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    sliding_window: int = 64
+    vocab: int = 1024
+    max_positions: int = 2048
+    seed: int = 0
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 20))) for _ in range(lines)]
+
+
+def _build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.model_max_length = spec.max_positions
+    fast.save_pretrained(out)
+
+
+def _layer_types(spec: TinyModelSpec) -> list[str] | None:
+    if spec.arch == "llama":
+        return None
+    # Every other layer slides; the last is always full attention.
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)]
+    types[-1] = "full_attention"
+    return types
+
+
+def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write config, random weights and tokenizer to ``out``; return the directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if spec.arch not in ARCHES:
+        raise ValueError(f"unknown arch {spec.arch!r}; choose one of {', '.join(ARCHES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(spec, out)
+    vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    extra: dict[str, object] = {}
+    layer_types = _layer_types(spec)
+    if layer_types is not None:
+        extra = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.hidden * 2,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=spec.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **extra,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():  # larger weights give less uniform logits
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
+    return out
