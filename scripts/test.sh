@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: set up .venv from scratch (scripts/install.sh --test), then run the suite.
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m unit`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh --test
+export HF_HUB_OFFLINE=1
+.venv/bin/ruff check vllm_hybrid_nixl tests
+.venv/bin/python -m pytest "$@"

@@ -1,0 +1,158 @@
+"""Start and stop ``vllm serve`` engines as child processes (used by the demo and tests).
+
+Each engine runs in its own process group and is stopped by that PID, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+class EngineStartError(RuntimeError):
+    """A ``vllm serve`` process exited or did not become healthy in time."""
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine on this machine."""
+
+    model: str
+    port: int
+    role: str = "prefill"  # prefill | decode | both | none (no KV connector)
+    connector: str = "HybridNixlConnector"
+    side_channel_port: int = 5600
+    host: str = "127.0.0.1"
+    cpu_core: int | None = None
+    kv_buffer_device: str = "cpu"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    kv_extra_config: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        if self.role == "none":
+            return None
+        config: dict[str, object] = {
+            "kv_connector": self.connector,
+            "kv_role": ROLE_TO_KV_ROLE[self.role],
+            "kv_buffer_device": self.kv_buffer_device,
+        }
+        if self.kv_extra_config:
+            config["kv_connector_extra_config"] = self.kv_extra_config
+        return config
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "vllm_hybrid_nixl.launcher", "serve", self.model,
+            "--host", self.host, "--port", str(self.port),
+        ]
+        kv_config = self.kv_transfer_config()
+        if kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_config)]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        if self.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        env.update(self.env)
+        return env
+
+
+class EngineProcess:
+    """One running ``vllm serve``; its output goes to ``log_path``."""
+
+    def __init__(self, spec: EngineSpec, log_path: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> EngineProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.spec.command(),
+                env=self.spec.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() reaches vLLM's children
+            )
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_healthy(self, timeout_s: float = 300.0, progress: bool = True) -> None:
+        """Poll ``/health`` until it answers 200; fail with the log tail if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        last_report = 0.0
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise EngineStartError(
+                    f"{self.spec.role} engine on port {self.spec.port} exited with code {code} "
+                    f"before it was healthy; last log lines ({self.log_path}):\n"
+                    + "\n".join(self.log_text().splitlines()[-25:])
+                )
+            try:
+                if httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            elapsed = time.monotonic() - started
+            if progress and elapsed - last_report >= 10:
+                last_report = elapsed
+                print(
+                    f"  waiting for {self.spec.role} engine on :{self.spec.port} "
+                    f"({elapsed:.0f}s, log {self.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(1.0)
+        raise EngineStartError(
+            f"{self.spec.role} engine on port {self.spec.port} was not healthy after "
+            f"{timeout_s:.0f}s; see {self.log_path}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the engine's process group (by PID): SIGTERM, then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = self.process.pid  # start_new_session made the child its group leader
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children that outlived the leader
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
