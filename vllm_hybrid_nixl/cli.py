@@ -15,8 +15,10 @@ def _cmd_version(_: argparse.Namespace) -> int:
     if installed is None:
         print("installed vLLM: none")
         return 1
-    print(f"installed vLLM: {installed.distribution}=={installed.version} "
-          f"(stock block-count check: {installed.base_block_check.value})")
+    print(
+        f"installed vLLM: {installed.distribution}=={installed.version} "
+        f"(stock block-count check: {installed.base_block_check.value})"
+    )
     try:
         compat.ensure_supported_vllm()
     except compat.UnsupportedVllmError as exc:
@@ -28,8 +30,13 @@ def _cmd_version(_: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
-    spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden,
-                         sliding_window=args.sliding_window, seed=args.seed)
+    spec = TinyModelSpec(
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        sliding_window=args.sliding_window,
+        seed=args.seed,
+    )
     print(build_tiny_model(args.out, spec))
     return 0
 
@@ -37,9 +44,15 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.demo import DemoOptions, run_demo
 
-    return run_demo(DemoOptions(model=args.model, block_size=args.block_size,
-                                max_tokens=args.max_tokens, log_dir=args.log_dir,
-                                connector=args.connector))
+    return run_demo(
+        DemoOptions(
+            model=args.model,
+            block_size=args.block_size,
+            max_tokens=args.max_tokens,
+            log_dir=args.log_dir,
+            connector=args.connector,
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("version", help="show our version, the installed vLLM and the supported range")
     sub.add_parser(
-        "serve", add_help=False,
+        "serve",
+        add_help=False,
         help="run `vllm serve ...` (works with vLLM's CPU build too); all arguments go to vLLM",
     )
 
@@ -83,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         launch(argv)  # `vllm serve ...` with every argument passed through
         return 0
     args = build_parser().parse_args(argv)
-    handler = {"version": _cmd_version, "make-tiny-model": _cmd_make_tiny_model,
-               "demo": _cmd_demo}[args.command]
+    handler = {"version": _cmd_version, "make-tiny-model": _cmd_make_tiny_model, "demo": _cmd_demo}[
+        args.command
+    ]
     return handler(args)
 
 

@@ -15,7 +15,9 @@ from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.pd import disaggregated_completion
 
-DEFAULT_PROMPT = "the router sends the prompt to the prefill engine and the decode engine reads the kv cache blocks"
+DEFAULT_PROMPT = (
+    "the router sends the prompt to the prefill engine and the decode engine reads the kv cache"
+)
 
 
 @dataclass
@@ -53,26 +55,46 @@ def run_demo(options: DemoOptions) -> int:
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-demo-"))
     common = ["--enforce-eager", "--max-model-len", "1024", "--block-size", str(options.block_size)]
     prefill = EngineProcess(
-        EngineSpec(model, options.prefill_port, "prefill", options.connector, 5600, cpu_core=0,
-                   extra_args=common),
+        EngineSpec(
+            model,
+            options.prefill_port,
+            "prefill",
+            options.connector,
+            5600,
+            cpu_core=0,
+            extra_args=common,
+        ),
         log_dir / "prefill.log",
     )
     decode = EngineProcess(
-        EngineSpec(model, options.decode_port, "decode", options.connector, 5700, cpu_core=1,
-                   extra_args=common),
+        EngineSpec(
+            model,
+            options.decode_port,
+            "decode",
+            options.connector,
+            5700,
+            cpu_core=1,
+            extra_args=common,
+        ),
         log_dir / "decode.log",
     )
     try:
-        _say(f"starting prefill (:{options.prefill_port}) and decode (:{options.decode_port}) "
-             f"engines with {options.connector}; logs in {log_dir}")
+        _say(
+            f"starting prefill (:{options.prefill_port}) and decode (:{options.decode_port}) "
+            f"engines with {options.connector}; logs in {log_dir}"
+        )
         started = time.monotonic()
         prefill.start()
         decode.start()
         prefill.wait_healthy(options.startup_timeout_s)
         decode.wait_healthy(options.startup_timeout_s)
         _say(f"both engines healthy after {time.monotonic() - started:.0f}s")
-        body = {"model": model, "prompt": options.prompt, "max_tokens": options.max_tokens,
-                "temperature": 0.0}
+        body = {
+            "model": model,
+            "prompt": options.prompt,
+            "max_tokens": options.max_tokens,
+            "temperature": 0.0,
+        }
         with httpx.Client(timeout=120.0) as client:
             before = read_kv_transfer_counters(decode.spec.url, client)
             result = disaggregated_completion(client, prefill.spec.url, decode.spec.url, body)
@@ -83,11 +105,23 @@ def run_demo(options: DemoOptions) -> int:
         print(f"prompt:            {options.prompt!r}")
         print(f"P/D output:        {result.text!r}")
         print(f"colocated output:  {colocated_text!r}")
-        print(f"KV over NIXL:      {moved.external_prompt_tokens:.0f} of {prompt_tokens} prompt "
-              f"tokens, {moved.nixl_bytes:.0f} bytes, {moved.failed_transfers:.0f} failed transfers")
-        ok = result.text == colocated_text and moved.external_prompt_tokens > 0 and moved.failed_transfers == 0
-        print("RESULT: " + ("OK - P/D output equals colocated output and the KV came over NIXL"
-                            if ok else "MISMATCH - see the engine logs in " + str(log_dir)))
+        print(
+            f"KV over NIXL:      {moved.external_prompt_tokens:.0f} of {prompt_tokens} prompt "
+            f"tokens, {moved.nixl_bytes:.0f} bytes, {moved.failed_transfers:.0f} failed transfers"
+        )
+        ok = (
+            result.text == colocated_text
+            and moved.external_prompt_tokens > 0
+            and moved.failed_transfers == 0
+        )
+        print(
+            "RESULT: "
+            + (
+                "OK - P/D output equals colocated output and the KV came over NIXL"
+                if ok
+                else "MISMATCH - see the engine logs in " + str(log_dir)
+            )
+        )
         return 0 if ok else 1
     finally:
         _say("stopping engines")

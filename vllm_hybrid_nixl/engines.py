@@ -57,8 +57,15 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         args = [
-            sys.executable, "-m", "vllm_hybrid_nixl.launcher", "serve", self.model,
-            "--host", self.host, "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "vllm_hybrid_nixl.launcher",
+            "serve",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
         ]
         kv_config = self.kv_transfer_config()
         if kv_config is not None:

@@ -22,7 +22,9 @@ class KvTransferCounters:
         )
 
 
-def read_kv_transfer_counters(engine_url: str, client: httpx.Client | None = None) -> KvTransferCounters:
+def read_kv_transfer_counters(
+    engine_url: str, client: httpx.Client | None = None
+) -> KvTransferCounters:
     """Sum vLLM's KV-transfer counters over all label sets of one engine."""
     text = (client or httpx).get(f"{engine_url}/metrics", timeout=10.0).text
     external = nixl_bytes = failed = 0.0

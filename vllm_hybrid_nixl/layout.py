@@ -94,7 +94,7 @@ def _inner_span(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int]:
     count = math.prod(shape[1:]) if len(shape) > 1 else 1
     if count == 0:
         return 0, 0
-    span = sum((size - 1) * abs(step) for size, step in zip(shape[1:], stride[1:])) + 1
+    span = sum((size - 1) * abs(step) for size, step in zip(shape[1:], stride[1:], strict=True)) + 1
     return count, span
 
 
@@ -102,7 +102,7 @@ def _byte_extent(layer: LayerDescription) -> int:
     """Bytes from the view's first element to one past its last element."""
     if any(size == 0 for size in layer.shape):
         return 0
-    last = sum((size - 1) * abs(step) for size, step in zip(layer.shape, layer.stride))
+    last = sum((size - 1) * abs(step) for size, step in zip(layer.shape, layer.stride, strict=True))
     return (last + 1) * layer.element_size
 
 
@@ -171,8 +171,7 @@ def validate_layer(layer: LayerDescription) -> ValidatedLayer:
         raise _error(
             layer,
             f"spec kind '{layer.spec_kind}' is not one vllm-hybrid-nixl can transfer",
-            "serve this model without a NIXL connector, or ask for this cache kind "
-            "to be supported",
+            "serve this model without a NIXL connector, or ask for this cache kind to be supported",
         )
     if nb <= 0 or ps <= 0 or r <= 0:
         raise _error(layer, "NB, r and PS must all be positive", _FIX_ALLOCATION)
@@ -230,26 +229,58 @@ def validate_layer(layer: LayerDescription) -> ValidatedLayer:
     return ValidatedLayer(layer=layer, form=form, block_stride=block_stride)
 
 
+def _registered_range(item: ValidatedLayer) -> tuple[int, int]:
+    layer = item.layer
+    extent = (
+        layer.num_blocks * layer.page_size if item.form is LayoutForm.FLAT else _byte_extent(layer)
+    )
+    return layer.data_ptr, layer.data_ptr + extent
+
+
 def _check_shared_storage(validated: Sequence[ValidatedLayer]) -> None:
+    """Layers whose bytes alias (HMA overlays groups) must address the same block grid.
+
+    Layers that merely live side by side in one allocation (vLLM 0.32+ places every
+    layer in one backing buffer) may differ; layers that overlap must agree on page
+    size, block count and block alignment, or a block of one is a different block of
+    the other and NIXL moves the wrong bytes.
+    """
     by_storage: dict[int, list[ValidatedLayer]] = defaultdict(list)
     for item in validated:
         by_storage[item.layer.storage_ptr].append(item)
     for members in by_storage.values():
-        first = members[0].layer
-        for other in members[1:]:
-            layer = other.layer
-            if (layer.page_size, layer.num_blocks) != (first.page_size, first.num_blocks):
-                raise _error(
-                    layer,
-                    f"it shares one allocation with layer '{first.name}' "
-                    f"(spec={first.spec_type}, group={first.group_id}, "
-                    f"PS={first.page_size} bytes, NB={first.num_blocks}) but has "
-                    f"PS={layer.page_size} bytes and NB={layer.num_blocks}; layers that "
-                    "share storage must agree on page size and block count or NIXL "
-                    "transfers the wrong bytes",
-                    "let vLLM's hybrid allocator pad the pages of all groups to one size "
-                    "(do not override page sizes), or give these layers separate storage",
-                )
+        ordered = sorted(members, key=lambda item: _registered_range(item)[0])
+        open_layers: list[tuple[int, ValidatedLayer]] = []  # (end, layer) still overlapping
+        for item in ordered:
+            start, end = _registered_range(item)
+            open_layers = [(e, other) for e, other in open_layers if e > start]
+            for _, other in open_layers:
+                _require_same_grid(item, other)
+            open_layers.append((end, item))
+
+
+def _require_same_grid(item: ValidatedLayer, other: ValidatedLayer) -> None:
+    layer, first = item.layer, other.layer
+    page = other.physical_page_size
+    aligned = page > 0 and (layer.data_ptr - first.data_ptr) % max(page, 1) == 0
+    if (layer.page_size, layer.num_blocks) == (first.page_size, first.num_blocks) and aligned:
+        return
+    raise _error(
+        layer,
+        f"its bytes overlap those of layer '{first.name}' (spec={first.spec_type}, "
+        f"group={first.group_id}, PS={first.page_size} bytes, NB={first.num_blocks}) in one "
+        f"shared allocation, but it has PS={layer.page_size} bytes and NB={layer.num_blocks}"
+        + (
+            ""
+            if aligned
+            else f" and starts {layer.data_ptr - first.data_ptr} bytes away, "
+            "not on a block boundary"
+        )
+        + "; layers that share storage must agree on page size and block count or NIXL "
+        "transfers the wrong bytes",
+        "let vLLM's hybrid allocator pad the pages of all groups to one size "
+        "(do not override page sizes), or give these layers separate storage",
+    )
 
 
 def check_layout(layers: Iterable[LayerDescription]) -> list[ValidatedLayer]:

@@ -113,7 +113,9 @@ class HybridRegistrationMixin:
         ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
         layers = describe_layers(kv_caches, self.kv_cache_config, ratio)
         self.validated_layers = check_layout(layers)
-        views = {item.layer.name: item for item in self.validated_layers if item.needs_physical_view}
+        views = {
+            item.layer.name: item for item in self.validated_layers if item.needs_physical_view
+        }
         for_registration = {
             name: physical_view(cache, views[name]) if name in views else cache
             for name, cache in kv_caches.items()

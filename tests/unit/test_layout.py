@@ -97,9 +97,7 @@ def test_flat_view_of_at_least_nb_ps_bytes_is_accepted() -> None:
 
 def test_block_major_with_interleaved_rows_is_accepted() -> None:
     # Block-outermost packing (BLHNC): rows of 2 layers, this layer's page is the first half.
-    result = validate_layer(
-        layer((8, 512), stride=(1024, 1), storage_nbytes=8 * 2048, r=1)
-    )
+    result = validate_layer(layer((8, 512), stride=(1024, 1), storage_nbytes=8 * 2048, r=1))
     assert result.form is LayoutForm.LOGICAL and result.block_stride == 2048
 
 
@@ -223,8 +221,30 @@ def test_layers_sharing_storage_with_different_pages_are_rejected() -> None:
         check_layout([first, second])
     text = str(info.value)
     assert "layer 'model.layers.1.self_attn.attn'" in text
-    assert "shares one allocation with layer 'model.layers.0.self_attn.attn'" in text
+    assert "overlap those of layer 'model.layers.0.self_attn.attn'" in text
     assert "PS=512 bytes and NB=8" in text
+
+
+def test_layers_side_by_side_in_one_allocation_may_differ() -> None:
+    # vLLM 0.32+ put every layer in one backing buffer; disjoint ranges do not alias.
+    first = layer((8, 512), name="model.layers.0.self_attn.attn", storage_nbytes=8 * 1024 + 8 * 512)
+    second = layer(
+        (8, 256),
+        ps=512,
+        name="model.layers.1.self_attn.attn",
+        offset=8 * 1024,
+        storage_nbytes=8 * 1024 + 8 * 512,
+    )
+    assert len(check_layout([first, second])) == 2
+
+
+def test_overlapping_layers_off_the_block_grid_are_rejected() -> None:
+    first = layer((8, 512), name="model.layers.0.self_attn.attn", storage_nbytes=9 * 1024)
+    second = layer(
+        (8, 512), name="model.layers.1.self_attn.attn", offset=512, storage_nbytes=9 * 1024
+    )
+    with pytest.raises(HybridLayoutError, match="starts 512 bytes away, not on a block boundary"):
+        check_layout([first, second])
 
 
 def test_error_is_a_value_error() -> None:
@@ -264,6 +284,11 @@ def test_any_other_block_count_is_rejected(nb: int, r: int, delta: int) -> None:
     page_elems = 64
     with pytest.raises(HybridLayoutError):
         validate_layer(
-            layer((blocks, page_elems), nb=nb, r=r, ps=page_elems * 2 * r,
-                  storage_nbytes=(nb * r + 4) * page_elems * 2)
+            layer(
+                (blocks, page_elems),
+                nb=nb,
+                r=r,
+                ps=page_elems * 2 * r,
+                storage_nbytes=(nb * r + 4) * page_elems * 2,
+            )
         )

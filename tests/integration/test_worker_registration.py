@@ -1,0 +1,195 @@
+"""Real vLLM NIXL workers (ours and stock) on real KV-cache layouts, real NIXL bytes moved.
+
+Everything is real (vLLM's VllmConfig/KVCacheConfig for the tiny hybrid model, vLLM's
+worker classes, NIXL agents over UCX) except the kernel block size: on CPU vLLM always
+chooses r = 1, so r > 1 is produced by making the CPU attention backend report a fixed,
+smaller kernel block size, as a GPU kernel would (see ``harness.kernel_block_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.integration import harness
+from vllm_hybrid_nixl.layout import HybridLayoutError
+
+pytestmark = pytest.mark.integration
+
+RATIO_TO_KERNEL = {1: None, 2: harness.BLOCK_SIZE // 2, 4: harness.BLOCK_SIZE // 4}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_hybrid_model) -> Iterator[harness.ModelSetup]:
+    with harness.model_setup(str(tiny_hybrid_model)) as model_setup:
+        yield model_setup
+
+
+def make_worker(
+    setup: harness.ModelSetup, ratio: int, cls: type | None = None, kv_cache_config=None
+):
+    from vllm_hybrid_nixl.worker import HybridNixlPullWorker
+
+    cls = cls or HybridNixlPullWorker
+    with harness.kernel_block_size(RATIO_TO_KERNEL[ratio]):
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(setup.vllm_config):
+            worker = cls(
+                setup.vllm_config, str(uuid.uuid4()), kv_cache_config or setup.kv_cache_config
+            )
+    assert worker._physical_blocks_per_logical_kv_block == ratio
+    return worker
+
+
+def compare_blocks(src: harness.Caches, dst: harness.Caches, nb: int, chosen: list[int]):
+    """(requested blocks that differ, unrequested blocks that changed), per layer start."""
+    page = src.page_size
+    wrong, stray = [], []
+    for start in sorted(set(src.layer_offsets.values())):
+        for block in range(nb):
+            lo, hi = start + block * page, start + (block + 1) * page
+            if block in chosen and not torch.equal(dst.raw[lo:hi], src.raw[lo:hi]):
+                wrong.append((start, block))
+            if block not in chosen and dst.raw[lo:hi].any():
+                stray.append((start, block))
+    return wrong, stray
+
+
+def transfer(setup: harness.ModelSetup, form: str, ratio: int, cls: type | None = None):
+    """Register ``form`` caches on a prefill and a decode worker, READ 3 blocks, compare."""
+    prefill, decode = make_worker(setup, ratio, cls), make_worker(setup, ratio, cls)
+    try:
+        src = harness.allocate_caches(setup.kv_cache_config, form, ratio, seed=7)
+        dst = harness.allocate_caches(setup.kv_cache_config, form, ratio, seed=None)
+        prefill.register_kv_caches(src.views)
+        decode.register_kv_caches(dst.views)
+        nb = setup.kv_cache_config.num_blocks
+        chosen = [1, 3, nb - 1]
+        moved = harness.read_blocks(decode, prefill, chosen)
+        forms = {item.form.value for item in getattr(prefill, "validated_layers", [])}
+        return moved, compare_blocks(src, dst, nb, chosen), forms, src
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_the_model_really_is_hybrid(setup: harness.ModelSetup) -> None:
+    kinds = {type(group.kv_cache_spec).__name__ for group in setup.kv_cache_config.kv_cache_groups}
+    assert kinds == {"FullAttentionSpec", "SlidingWindowSpec"}
+    caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=None)
+    assert len(set(caches.layer_offsets.values())) < len(caches.layer_offsets), (
+        "HMA should overlay the full-attention and sliding-window groups"
+    )
+
+
+LEGAL_CASES = [  # with r = 1 the physical form is the logical form
+    (form, ratio)
+    for ratio in (1, 2, 4)
+    for form in ("logical", "physical", "flat")
+    if not (form == "physical" and ratio == 1)
+]
+
+
+@pytest.mark.parametrize(("form", "ratio"), LEGAL_CASES)
+def test_each_legal_layout_registers_and_moves_the_right_bytes(
+    setup: harness.ModelSetup, form: str, ratio: int
+) -> None:
+    moved, (wrong, stray), forms, src = transfer(setup, form, ratio)
+    assert forms == {form}
+    regions = len(set(src.layer_offsets.values()))
+    assert moved == 3 * src.page_size * regions
+    assert wrong == [] and stray == []
+
+
+def test_registration_is_vllms_own_for_the_physical_form(setup: harness.ModelSetup) -> None:
+    """Ours and the stock worker advertise the same regions for vLLM's own layout."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    ours, stock = make_worker(setup, 2), make_worker(setup, 2, NixlPullConnectorWorker)
+    try:
+        caches = harness.allocate_caches(setup.kv_cache_config, "physical", 2, seed=1)
+        ours.register_kv_caches(caches.views)
+        stock.register_kv_caches(caches.views)
+        a, b = harness.advertised_metadata(ours), harness.advertised_metadata(stock)
+        assert (a.kv_caches_base_addr, a.block_lens, a.block_strides, a.region_num_blocks) == (
+            b.kv_caches_base_addr,
+            b.block_lens,
+            b.block_strides,
+            b.region_num_blocks,
+        )
+    finally:
+        ours.shutdown()
+        stock.shutdown()
+
+
+def test_legal_nb_by_ps_form_moves_wrong_bytes_with_vllm_and_right_ones_with_us(
+    setup: harness.ModelSetup,
+) -> None:
+    """[NB, PS] with r != 1 is legal. vLLM 0.32 registers it without complaint, as NB*r
+    blocks of PS bytes, so a READ of logical block b fetches other bytes: silent corruption."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    _, (wrong, stray), _, _ = transfer(setup, "logical", 2, NixlPullConnectorWorker)
+    assert wrong and stray, "the stock worker was expected to move the wrong blocks"
+    _, (wrong, stray), _, _ = transfer(setup, "logical", 2)
+    assert wrong == [] and stray == []
+
+
+def test_too_few_blocks_with_r_not_1_pass_vllm_but_not_us(setup: harness.ModelSetup) -> None:
+    """A layer with its own allocation whose view holds half the kernel blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    caches = harness.allocate_caches(setup.kv_cache_config, "physical", 2, seed=1).views
+    victim = sorted(caches)[0]
+    full = caches[victim].clone()  # own storage of NB*r kernel blocks
+    caches[victim] = full[: full.shape[0] // 2]
+
+    stock = make_worker(setup, 2, NixlPullConnectorWorker)
+    try:
+        stock.register_kv_caches(caches)  # vLLM 0.32 skips its block check when r != 1
+    finally:
+        stock.shutdown()
+    ours = make_worker(setup, 2)
+    try:
+        with pytest.raises(HybridLayoutError, match=f"layer '{victim}'.*first dimension is"):
+            ours.register_kv_caches(caches)
+    finally:
+        ours.shutdown()
+
+
+def test_shared_storage_with_different_page_sizes_passes_vllm_but_not_us(
+    setup: harness.ModelSetup,
+) -> None:
+    """The sliding-window group's spec says half the page size of the full group it overlays."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    config = setup.kv_cache_config
+    sliding = next(
+        g for g in config.kv_cache_groups if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
+    )
+    half = dataclasses.replace(
+        sliding.kv_cache_spec, head_size=sliding.kv_cache_spec.head_size // 2
+    )
+    groups = [
+        dataclasses.replace(g, kv_cache_spec=half) if g is sliding else g
+        for g in config.kv_cache_groups
+    ]
+    bad_config = dataclasses.replace(config, kv_cache_groups=groups)
+    caches = harness.allocate_caches(bad_config, "physical", 2, seed=1).views
+
+    stock = make_worker(setup, 2, NixlPullConnectorWorker, kv_cache_config=bad_config)
+    try:
+        stock.register_kv_caches(caches)  # one region per shared address: silently wrong
+    finally:
+        stock.shutdown()
+    ours = make_worker(setup, 2, kv_cache_config=bad_config)
+    try:
+        with pytest.raises(HybridLayoutError, match="overlap those of layer"):
+            ours.register_kv_caches(caches)
+    finally:
+        ours.shutdown()
