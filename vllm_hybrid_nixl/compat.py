@@ -62,7 +62,11 @@ def installed_vllm() -> InstalledVllm | None:
 
 def ensure_supported_vllm() -> InstalledVllm:
     """Return the installed vLLM, or raise naming what is installed and what is supported."""
-    found = installed_vllm()
+    return check_supported(installed_vllm())
+
+
+def check_supported(found: InstalledVllm | None) -> InstalledVllm:
+    """Return ``found`` if it is a supported vLLM, else raise :class:`UnsupportedVllmError`."""
     if found is None:
         raise UnsupportedVllmError(
             "vllm-hybrid-nixl needs vLLM, and none is installed. Install a supported "

@@ -38,6 +38,7 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     kv_extra_config: dict[str, object] = field(default_factory=dict)
+    connector_module_path: str | None = None  # load the connector by module, not by name
 
     @property
     def url(self) -> str:
@@ -53,6 +54,8 @@ class EngineSpec:
         }
         if self.kv_extra_config:
             config["kv_connector_extra_config"] = self.kv_extra_config
+        if self.connector_module_path:
+            config["kv_connector_module_path"] = self.connector_module_path
         return config
 
     def command(self) -> list[str]:

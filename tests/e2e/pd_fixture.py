@@ -1,0 +1,56 @@
+"""A prefill and a decode ``vllm serve`` on 127.0.0.1, started once per test module."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+
+COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
+WORKER_LINE = re.compile(
+    r"\((?P<process>\w+) pid=(?P<prefix_pid>\d+)\).*vllm-hybrid-nixl: (?P<cls>\w+) "
+    r"\(pid (?P<pid>\d+)\) validated (?P<layers>\d+) KV-cache layers \(r=(?P<r>\d+), "
+    r"forms=(?P<forms>[\w,]+), groups=(?P<groups>\d+)\)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class PdPair:
+    prefill: EngineProcess
+    decode: EngineProcess
+    model: str
+
+
+def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Iterator[PdPair]:
+    """Start both engines (own process groups), yield when healthy, stop them by PID."""
+    engines = []
+    for role, core, overrides in (("prefill", 0, prefill), ("decode", 1, decode)):
+        spec = EngineSpec(
+            model=str(model),
+            port=free_port(),
+            role=role,
+            side_channel_port=free_port(),
+            cpu_core=core,
+            extra_args=list(COMMON_ARGS),
+            **overrides,
+        )
+        engines.append(EngineProcess(spec, log_dir / f"{role}.log"))
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy(timeout_s=420)
+        yield PdPair(engines[0], engines[1], str(model))
+    finally:
+        for engine in engines:
+            engine.stop()

@@ -1,0 +1,79 @@
+"""Real prefill and decode ``vllm serve`` processes with ``HybridNixlConnector`` (pull mode),
+registered by name through the plugin entry point, moving KV over real NIXL on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import WORKER_LINE, PdPair, start_pair
+from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "the decode engine reads the kv cache",
+    # Longer than the 64-token sliding window and several 64-token blocks.
+    " ".join(["the prefill engine computes every layer of the hybrid model"] * 12),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_hybrid_model, tmp_path_factory) -> Iterator[PdPair]:
+    yield from start_pair(
+        tiny_hybrid_model,
+        tmp_path_factory.mktemp("pd-pull-logs"),
+        prefill={"connector": "HybridNixlConnector"},
+        decode={"connector": "HybridNixlConnector"},
+    )
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_worker_process_runs_our_worker(pair: PdPair, side: str) -> None:
+    engine = getattr(pair, side)
+    matches = [m for m in WORKER_LINE.finditer(engine.log_text())]
+    assert len(matches) == 1, f"expected one registration line in {engine.log_path}"
+    line = matches[0]
+    assert line["cls"] == "HybridNixlPullWorker"
+    # The line comes from vLLM's worker process, not from the API server or the test.
+    assert line["process"] in {"Worker", "EngineCore"} and line["pid"] == line["prefix_pid"]
+    assert int(line["pid"]) != engine.pid
+    assert (line["layers"], line["groups"], line["r"]) == ("4", "2", "1")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "multi-block"])
+def test_pd_output_equals_colocated_and_kv_came_over_nixl(pair: PdPair, prompt: str) -> None:
+    body = {
+        "model": pair.model,
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    with httpx.Client(timeout=120.0) as client:
+        before = read_kv_transfer_counters(pair.decode.spec.url, client)
+        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+        moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
+        colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
+
+    pd_choice, co_choice = result.decode_response["choices"][0], colocated["choices"][0]
+    assert pd_choice["token_ids"] == co_choice["token_ids"]
+    assert pd_choice["text"] == co_choice["text"]
+    assert len(pd_choice["token_ids"]) == 20
+    prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
+    # The decode engine computed nothing of the prompt but (at most) its last token.
+    assert moved.external_prompt_tokens >= prompt_tokens - 1
+    assert moved.nixl_bytes > 0
+    assert moved.failed_transfers == 0
+
+
+def test_decode_leg_error_names_the_leg_and_engine(pair: PdPair) -> None:
+    body = {"model": "no-such-model", "prompt": "x", "max_tokens": 2}
+    with httpx.Client(timeout=60.0) as client, pytest.raises(LegError) as info:
+        disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+    assert str(info.value).startswith(
+        f"prefill leg: engine {pair.prefill.spec.url} answered HTTP 404"
+    )

