@@ -29,7 +29,10 @@ def serve_parser():
 
 def test_there_are_configs_for_both_roles_on_both_platforms() -> None:
     assert {path.name for path in CONFIGS} >= {
-        "prefill-cpu.yaml", "decode-cpu.yaml", "prefill-gpu.yaml", "decode-gpu.yaml"
+        "prefill-cpu.yaml",
+        "decode-cpu.yaml",
+        "prefill-gpu.yaml",
+        "decode-gpu.yaml",
     }
 
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.integration import harness
 from vllm_hybrid_nixl.layout import HybridLayoutError
+from vllm_hybrid_nixl.testing import worker_harness as harness
 
 pytestmark = pytest.mark.integration
 

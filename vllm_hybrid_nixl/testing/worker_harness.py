@@ -1,4 +1,4 @@
-"""Build real vLLM NIXL workers in the test process and move real bytes between them.
+"""Build real vLLM NIXL workers in this process and move real bytes between them.
 
 The VllmConfig and KVCacheConfig are the ones vLLM computes for the tiny hybrid model
 (EngineArgs -> VllmConfig, the model's own attention layers -> KV-cache specs ->
@@ -58,7 +58,7 @@ class ModelSetup:
 
 
 @contextlib.contextmanager
-def model_setup(model_dir: str) -> Iterator[ModelSetup]:
+def model_setup(model_dir: str, kv_cache_bytes: int = KV_CACHE_BYTES) -> Iterator[ModelSetup]:
     """Real VllmConfig + KVCacheConfig for ``model_dir``, with vLLM's distributed state up."""
     from vllm.distributed.parallel_state import (
         cleanup_dist_env_and_memory,
@@ -103,7 +103,7 @@ def model_setup(model_dir: str) -> Iterator[ModelSetup]:
             backends = get_current_attn_backends(vllm_config)
             supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
             resolve_kv_cache_layout(vllm_config, [supported], specs.values())
-            kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [KV_CACHE_BYTES])[0]
+            kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes])[0]
             yield ModelSetup(vllm_config, kv_cache_config)
         finally:
             os.sched_setaffinity(0, affinity)

@@ -1,0 +1,91 @@
+"""Registration cost: ``register_kv_caches`` of our worker vs vLLM's stock NIXL worker.
+
+Both register the same real caches (vLLM's KVCacheConfig for tiny hybrid models of 8, 64
+and 256 layers) with real NIXL agents; runs alternate ours/stock so machine noise hits
+both alike. Reported as the ratio of medians (ours / stock) and the check's own share.
+
+    python -m bench.registration_cost [--layers 8 64 256] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    from vllm_hybrid_nixl.testing import worker_harness as harness
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+    from vllm_hybrid_nixl.worker import HybridNixlPullWorker
+
+    model = build_tiny_model(
+        workdir / f"hybrid-{layers}", TinyModelSpec(layers=layers, hidden=64, heads=2, kv_heads=1)
+    )
+    times: dict[str, list[float]] = {"ours": [], "stock": []}
+    check: list[float] = []
+    with harness.model_setup(str(model), kv_cache_bytes=layers * (1 << 20)) as setup:
+        caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=0).views
+        for _ in range(repeats):
+            for name, cls in (("ours", HybridNixlPullWorker), ("stock", NixlPullConnectorWorker)):
+                with set_current_vllm_config(setup.vllm_config):
+                    worker = cls(setup.vllm_config, str(uuid.uuid4()), setup.kv_cache_config)
+                try:
+                    started = time.perf_counter()
+                    worker.register_kv_caches(caches)
+                    times[name].append(time.perf_counter() - started)
+                    if name == "ours":
+                        check.append(worker.layout_check_seconds)
+                finally:
+                    worker.shutdown()
+            print(
+                f"  {layers} layers: ours {times['ours'][-1] * 1e3:.1f} ms, "
+                f"stock {times['stock'][-1] * 1e3:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+    ours, stock = statistics.median(times["ours"]), statistics.median(times["stock"])
+    return {
+        "layers": layers,
+        "ours_ms": ours * 1e3,
+        "stock_ms": stock * 1e3,
+        "ratio": ours / stock,
+        "check_ms": statistics.median(check) * 1e3,
+        "check_share": statistics.median(check) / ours,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in args.layers:
+            rows.append(measure(layers, args.repeats, Path(tmp)))
+    print(
+        f"{'layers':>6} {'ours ms':>9} {'stock ms':>9} {'ratio':>6} {'check ms':>9} {'check %':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['layers']:>6} {row['ours_ms']:>9.1f} {row['stock_ms']:>9.1f} "
+            f"{row['ratio']:>6.3f} {row['check_ms']:>9.2f} {row['check_share'] * 100:>7.1f}%"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "registration_cost.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
