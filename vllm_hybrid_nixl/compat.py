@@ -122,6 +122,7 @@ def nixl_classes() -> NixlClasses:
         ) from exc
 
 
+@functools.cache
 def kv_cache_spec_classes() -> dict[str, type]:
     """vLLM's KV-cache spec classes, by the kind names the layout check uses."""
     interface = importlib.import_module("vllm.v1.kv_cache_interface")

@@ -71,6 +71,7 @@ class ValidatedLayer:
     layer: LayerDescription
     form: LayoutForm
     block_stride: int  # bytes between consecutive blocks of the view (0 for flat)
+    extent: int  # bytes NIXL will register from the view's first byte
 
     @property
     def physical_page_size(self) -> int:
@@ -164,6 +165,19 @@ def _validate_block_major(
     )
 
 
+def _check_inside_storage(layer: LayerDescription, needed: int) -> None:
+    if layer.data_ptr < layer.storage_ptr:
+        raise _error(layer, "the view starts before its storage", _FIX_ALLOCATION)
+    end = layer.data_ptr - layer.storage_ptr + needed
+    if end > layer.storage_nbytes:
+        raise _error(
+            layer,
+            f"the {needed} bytes NIXL would register end {end - layer.storage_nbytes} "
+            f"bytes past the end of the tensor's storage ({layer.storage_nbytes} bytes)",
+            _FIX_ALLOCATION,
+        )
+
+
 def validate_layer(layer: LayerDescription) -> ValidatedLayer:
     """Recognise the layer's form or raise :class:`HybridLayoutError`."""
     nb, r, ps = layer.num_blocks, layer.ratio, layer.page_size
@@ -215,26 +229,13 @@ def validate_layer(layer: LayerDescription) -> ValidatedLayer:
     if form is None:
         raise _error(layer, "; ".join(reasons), _FIX_ALLOCATION)
 
-    if layer.data_ptr < layer.storage_ptr:
-        raise _error(layer, "the view starts before its storage", _FIX_ALLOCATION)
     needed = nb * ps if form is LayoutForm.FLAT else _byte_extent(layer)
-    end = layer.data_ptr - layer.storage_ptr + needed
-    if end > layer.storage_nbytes:
-        raise _error(
-            layer,
-            f"the {needed} bytes NIXL would register end {end - layer.storage_nbytes} "
-            f"bytes past the end of the tensor's storage ({layer.storage_nbytes} bytes)",
-            _FIX_ALLOCATION,
-        )
-    return ValidatedLayer(layer=layer, form=form, block_stride=block_stride)
+    _check_inside_storage(layer, needed)
+    return ValidatedLayer(layer=layer, form=form, block_stride=block_stride, extent=needed)
 
 
 def _registered_range(item: ValidatedLayer) -> tuple[int, int]:
-    layer = item.layer
-    extent = (
-        layer.num_blocks * layer.page_size if item.form is LayoutForm.FLAT else _byte_extent(layer)
-    )
-    return layer.data_ptr, layer.data_ptr + extent
+    return item.layer.data_ptr, item.layer.data_ptr + item.extent
 
 
 def _check_shared_storage(validated: Sequence[ValidatedLayer]) -> None:
@@ -249,11 +250,12 @@ def _check_shared_storage(validated: Sequence[ValidatedLayer]) -> None:
     for item in validated:
         by_storage[item.layer.storage_ptr].append(item)
     for members in by_storage.values():
-        ordered = sorted(members, key=lambda item: _registered_range(item)[0])
+        ordered = sorted(members, key=lambda item: item.layer.data_ptr)
         open_layers: list[tuple[int, ValidatedLayer]] = []  # (end, layer) still overlapping
         for item in ordered:
             start, end = _registered_range(item)
-            open_layers = [(e, other) for e, other in open_layers if e > start]
+            if open_layers:
+                open_layers = [(e, other) for e, other in open_layers if e > start]
             for _, other in open_layers:
                 _require_same_grid(item, other)
             open_layers.append((end, item))
@@ -285,6 +287,25 @@ def _require_same_grid(item: ValidatedLayer, other: ValidatedLayer) -> None:
 
 def check_layout(layers: Iterable[LayerDescription]) -> list[ValidatedLayer]:
     """Validate every layer and the storage they share; raise on the first problem."""
-    validated = [validate_layer(layer) for layer in layers]
+    # Layers of one group usually have one geometry: recognise it once, bound-check each.
+    known: dict[tuple[object, ...], ValidatedLayer] = {}
+    validated = []
+    for layer in layers:
+        geometry = (
+            layer.spec_kind,
+            layer.num_blocks,
+            layer.ratio,
+            layer.page_size,
+            layer.shape,
+            layer.stride,
+            layer.element_size,
+        )
+        prior = known.get(geometry)
+        if prior is None:
+            item = known[geometry] = validate_layer(layer)
+        else:
+            _check_inside_storage(layer, prior.extent)
+            item = ValidatedLayer(layer, prior.form, prior.block_stride, prior.extent)
+        validated.append(item)
     _check_shared_storage(validated)
     return validated

@@ -57,21 +57,29 @@ def describe_layers(
 ) -> list[LayerDescription]:
     """Describe every layer that has a KV-cache spec, as plain data for the check."""
     specs = _layer_specs_and_groups(kv_cache_config)
+    # Groups share one spec object; classify each spec once (256-layer models add up).
+    spec_facts: dict[int, tuple[str, str, int]] = {}
+    num_blocks = int(kv_cache_config.num_blocks)
     layers = []
     for name, cache in kv_caches.items():
         if name not in specs:
             continue  # no spec: the layer reuses another layer's cache
         spec, group_id = specs[name]
+        facts = spec_facts.get(id(spec))
+        if facts is None:
+            facts = (spec_kind(spec), type(spec).__name__, int(spec.page_size_bytes))
+            spec_facts[id(spec)] = facts
+        kind, spec_type, page_size = facts
         storage = cache.untyped_storage()
         layers.append(
             LayerDescription(
                 name=name,
-                spec_kind=spec_kind(spec),
-                spec_type=type(spec).__name__,
+                spec_kind=kind,
+                spec_type=spec_type,
                 group_id=group_id,
-                num_blocks=int(kv_cache_config.num_blocks),
+                num_blocks=num_blocks,
                 ratio=ratio,
-                page_size=int(spec.page_size_bytes),
+                page_size=page_size,
                 shape=tuple(cache.shape),
                 stride=tuple(cache.stride()),
                 element_size=cache.element_size(),

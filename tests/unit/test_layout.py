@@ -292,3 +292,16 @@ def test_any_other_block_count_is_rejected(nb: int, r: int, delta: int) -> None:
                 storage_nbytes=(nb * r + 4) * page_elems * 2,
             )
         )
+
+
+def test_second_layer_of_a_known_geometry_is_still_bound_checked() -> None:
+    ok = layer((8, 512), name="model.layers.0.self_attn.attn")
+    past = layer(
+        (8, 512),
+        name="model.layers.2.self_attn.attn",
+        storage=BASE * 4,
+        offset=512,
+        storage_nbytes=8 * 1024,
+    )
+    with pytest.raises(HybridLayoutError, match="layers.2.*past the end of the tensor's storage"):
+        check_layout([ok, past])
