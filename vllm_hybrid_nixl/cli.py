@@ -91,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "serve":
+    if argv and argv[0] == "vllm":
         from vllm_hybrid_nixl.launcher import main as launch
 
-        launch(argv)  # `vllm serve ...` with every argument passed through
+        launch(argv[1:])  # `vllm ...` with every argument passed through
         return 0
     args = build_parser().parse_args(argv)
     handler = {"version": _cmd_version, "make-tiny-model": _cmd_make_tiny_model, "demo": _cmd_demo}[
