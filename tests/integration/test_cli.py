@@ -18,7 +18,9 @@ SCRIPT = Path(sys.executable).with_name("vllm-hybrid-nixl")
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     assert SCRIPT.exists(), f"the console script is not installed at {SCRIPT}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_version_names_installed_vllm_and_supported_range() -> None:
