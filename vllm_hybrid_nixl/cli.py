@@ -80,12 +80,41 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--sliding-window", type=int, default=defaults.sliding_window)
     tiny.add_argument("--seed", type=int, default=defaults.seed)
 
-    demo = sub.add_parser("demo", help="serve one request through a prefill and a decode engine")
+    demo = sub.add_parser(
+        "demo",
+        help="1P1D of a tiny hybrid model on a local Ray cluster, checked against "
+        "a colocated engine",
+    )
     demo.add_argument("--model", help="model directory (default: build a tiny hybrid model)")
     demo.add_argument("--block-size", type=int, default=64)
     demo.add_argument("--max-tokens", type=int, default=24)
-    demo.add_argument("--connector", default="HybridNixlConnector")
     demo.add_argument("--log-dir")
+
+    serve = sub.add_parser(
+        "serve",
+        help="P/D on a Ray cluster: engines as Ray actors, a router in front",
+        description="Start prefill and decode engines on Ray and a router; print "
+        "`router: URL` when all are ready; Ctrl-C/SIGTERM stops everything. Arguments after "
+        "`--` go to every engine's `vllm serve`.",
+    )
+    serve.add_argument("--config", help="YAML config (configs/ray/*.yaml); flags override it")
+    serve.add_argument("--model")
+    serve.add_argument("--num-prefill", type=int)
+    serve.add_argument("--num-decode", type=int)
+    serve.add_argument("--dtype")
+    serve.add_argument("--block-size", type=int)
+    serve.add_argument("--connector")
+    serve.add_argument("--router-host")
+    serve.add_argument("--router-port", type=int)
+    serve.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    serve.add_argument("--log-dir")
+    serve.add_argument("engine_args", nargs=argparse.REMAINDER)
+
+    router = sub.add_parser("router", help="run only the router in front of running engines")
+    router.add_argument("--prefill", action="append", required=True, help="prefill engine URL")
+    router.add_argument("--decode", action="append", required=True, help="decode engine URL")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
     return parser
 
 

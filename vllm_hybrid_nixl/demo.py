@@ -1,36 +1,39 @@
-"""The main job on one machine: a prefill and a decode engine with ``HybridNixlConnector``
-serving one request of a tiny local hybrid model, checked against colocated serving."""
+"""The main job on one machine: a tiny hybrid model served 1P1D on a local Ray cluster with
+``HybridNixlConnector``, a few prompts through the router, each answer checked against a
+colocated (non-disaggregated) engine."""
 
 from __future__ import annotations
 
+import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.pd import disaggregated_completion
+from vllm_hybrid_nixl.ray.config import make_config
+from vllm_hybrid_nixl.ray.deployment import PDDeployment
 
-DEFAULT_PROMPT = (
-    "the router sends the prompt to the prefill engine and the decode engine reads the kv cache"
-)
+WORDS = "the router sends each prompt to a prefill engine and the decode engine reads its kv cache"
+# Lengths chosen around the 64-token sliding window and 64-token blocks.
+PROMPT_REPEATS = (1, 2, 4, 5, 7, 9, 12, 16)
+
+
+def demo_prompts() -> list[str]:
+    return [" ".join([WORDS] * n) + f" prompt {i}" for i, n in enumerate(PROMPT_REPEATS)]
 
 
 @dataclass
 class DemoOptions:
     model: str | None = None
-    prompt: str = DEFAULT_PROMPT
     max_tokens: int = 24
     block_size: int = 64
-    prefill_port: int = 8100
-    decode_port: int = 8200
-    connector: str = "HybridNixlConnector"
     log_dir: str | None = None
-    startup_timeout_s: float = 400.0
+    startup_timeout_s: float = 900.0
+    prompts: list[str] = field(default_factory=demo_prompts)
 
 
 def _say(message: str) -> None:
@@ -47,83 +50,138 @@ def ensure_model(path: str | None) -> str:
     if not (target / "config.json").exists():
         _say(f"building a tiny random-weight hybrid model in {target} ...")
         build_tiny_model(target)
-    return str(target)
+    return str(target.resolve())
+
+
+def _stream_timing(client: httpx.Client, url: str, body: dict) -> tuple[float, float, int]:
+    """(time to first token, output tokens per second after it, tokens) of one streamed request."""
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += 1
+    if first is None or last is None:
+        raise RuntimeError(f"no tokens streamed from {url}")
+    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+    return first - started, rate, tokens
 
 
 def run_demo(options: DemoOptions) -> int:
+    wall = time.perf_counter()
     model = ensure_model(options.model)
-    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-demo-"))
-    common = ["--enforce-eager", "--max-model-len", "1024", "--block-size", str(options.block_size)]
-    prefill = EngineProcess(
-        EngineSpec(
-            model,
-            options.prefill_port,
-            "prefill",
-            options.connector,
-            5600,
-            cpu_core=0,
-            extra_args=common,
-        ),
-        log_dir / "prefill.log",
+    setup_s = time.perf_counter() - wall
+    config = make_config(
+        model=model,
+        num_prefill=1,
+        num_decode=1,
+        block_size=options.block_size,
+        max_model_len=1024,
+        enforce_eager=True,
+        router_port=0,
+        log_dir=options.log_dir,
+        startup_timeout_s=options.startup_timeout_s,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
-    decode = EngineProcess(
-        EngineSpec(
-            model,
-            options.decode_port,
-            "decode",
-            options.connector,
-            5700,
-            cpu_core=1,
-            extra_args=common,
-        ),
-        log_dir / "decode.log",
+    colocated = EngineProcess(
+        EngineSpec(model, _free_port(), role="none", cpu_core=0, extra_args=config.serve_args()),
+        Path(options.log_dir or "/tmp") / f"colocated-{int(time.time())}.log",
     )
+    started = time.perf_counter()
+    _say("starting a colocated reference engine, and 1 prefill + 1 decode engine on Ray")
+    colocated.start()
     try:
-        _say(
-            f"starting prefill (:{options.prefill_port}) and decode (:{options.decode_port}) "
-            f"engines with {options.connector}; logs in {log_dir}"
-        )
-        started = time.monotonic()
-        prefill.start()
-        decode.start()
-        prefill.wait_healthy(options.startup_timeout_s)
-        decode.wait_healthy(options.startup_timeout_s)
-        _say(f"both engines healthy after {time.monotonic() - started:.0f}s")
-        body = {
-            "model": model,
-            "prompt": options.prompt,
-            "max_tokens": options.max_tokens,
-            "temperature": 0.0,
-        }
-        with httpx.Client(timeout=120.0) as client:
-            before = read_kv_transfer_counters(decode.spec.url, client)
-            result = disaggregated_completion(client, prefill.spec.url, decode.spec.url, body)
-            moved = read_kv_transfer_counters(decode.spec.url, client) - before
-            colocated = client.post(f"{prefill.spec.url}/v1/completions", json=body).json()
-        colocated_text = colocated["choices"][0]["text"]
-        prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
-        print(f"prompt:            {options.prompt!r}")
-        print(f"P/D output:        {result.text!r}")
-        print(f"colocated output:  {colocated_text!r}")
-        print(
-            f"KV over NIXL:      {moved.external_prompt_tokens:.0f} of {prompt_tokens} prompt "
-            f"tokens, {moved.nixl_bytes:.0f} bytes, {moved.failed_transfers:.0f} failed transfers"
-        )
-        ok = (
-            result.text == colocated_text
-            and moved.external_prompt_tokens > 0
-            and moved.failed_transfers == 0
-        )
-        print(
-            "RESULT: "
-            + (
-                "OK - P/D output equals colocated output and the KV came over NIXL"
-                if ok
-                else "MISMATCH - see the engine logs in " + str(log_dir)
-            )
-        )
-        return 0 if ok else 1
+        with PDDeployment(config) as deployment:
+            colocated.wait_healthy(options.startup_timeout_s)
+            engines_s = time.perf_counter() - started
+            print(f"router: {deployment.router_url}", flush=True)
+            return _serve_and_compare(options, model, deployment, colocated, setup_s, engines_s)
     finally:
-        _say("stopping engines")
-        decode.stop()
-        prefill.stop()
+        colocated.stop()
+
+
+def _serve_and_compare(
+    options: DemoOptions,
+    model: str,
+    deployment: PDDeployment,
+    colocated: EngineProcess,
+    setup_s: float,
+    engines_s: float,
+) -> int:
+    serving = time.perf_counter()
+    decode_url = deployment.urls("decode")[0]
+    all_match = True
+    with httpx.Client(timeout=120.0) as client:
+        before = read_kv_transfer_counters(decode_url, client)
+        for index, prompt in enumerate(options.prompts):
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": options.max_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            }
+            pd = client.post(f"{deployment.router_url}/v1/completions", json=body)
+            co = client.post(f"{colocated.spec.url}/v1/completions", json=body)
+            pd.raise_for_status()
+            co.raise_for_status()
+            pd_choice, co_choice = pd.json()["choices"][0], co.json()["choices"][0]
+            match = pd_choice["token_ids"] == co_choice["token_ids"]
+            all_match &= match
+            print(
+                f"prompt {index} ({pd.json()['usage']['prompt_tokens']} tokens): "
+                f"{'MATCH' if match else 'DIFFERENT'}\n"
+                f"  P/D:       {pd_choice['text']!r}\n  colocated: {co_choice['text']!r}"
+            )
+        moved = read_kv_transfer_counters(decode_url, client) - before
+        timing = {"pd": [], "co": []}
+        for prompt in options.prompts:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": options.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            timing["pd"].append(_stream_timing(client, deployment.router_url, body))
+            timing["co"].append(_stream_timing(client, colocated.spec.url, body))
+    serving_s = time.perf_counter() - serving
+    print(
+        f"KV over NIXL: {moved.external_prompt_tokens:.0f} prompt tokens, "
+        f"{moved.nixl_bytes:.0f} bytes, {moved.failed_transfers:.0f} failed transfers"
+    )
+    ttft = statistics.median(p[0] for p in timing["pd"]) / statistics.median(
+        c[0] for c in timing["co"]
+    )
+    rate = statistics.median(p[1] for p in timing["pd"]) / statistics.median(
+        c[1] for c in timing["co"]
+    )
+    print(f"time to first token, router / colocated (median ratio): {ttft:.2f}")
+    print(f"output tokens/s, router / colocated (median ratio):     {rate:.2f}")
+    print(
+        f"wall time: set-up {setup_s:.0f}s, engine start {engines_s:.0f}s, serving {serving_s:.0f}s"
+    )
+    ok = all_match and moved.external_prompt_tokens > 0 and moved.failed_transfers == 0
+    print(
+        "RESULT: "
+        + (
+            "OK - every P/D answer equals the colocated answer and the KV came over NIXL"
+            if ok
+            else "MISMATCH"
+        )
+    )
+    return 0 if ok else 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

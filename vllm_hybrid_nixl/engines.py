@@ -5,6 +5,7 @@ Each engine runs in its own process group and is stopped by that PID, never by n
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -17,6 +18,14 @@ from pathlib import Path
 import httpx
 
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started us dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class EngineStartError(RuntimeError):
@@ -39,6 +48,7 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     kv_extra_config: dict[str, object] = field(default_factory=dict)
     connector_module_path: str | None = None  # load the connector by module, not by name
+    engine_id: str | None = None  # vLLM makes one up when unset
 
     @property
     def url(self) -> str:
@@ -56,6 +66,8 @@ class EngineSpec:
             config["kv_connector_extra_config"] = self.kv_extra_config
         if self.connector_module_path:
             config["kv_connector_module_path"] = self.connector_module_path
+        if self.engine_id:
+            config["engine_id"] = self.engine_id
         return config
 
     def command(self) -> list[str]:
@@ -108,8 +120,15 @@ class EngineProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() reaches vLLM's children
+                preexec_fn=_die_with_parent,
             )
         return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -124,8 +143,7 @@ class EngineProcess:
                 code = None if self.process is None else self.process.returncode
                 raise EngineStartError(
                     f"{self.spec.role} engine on port {self.spec.port} exited with code {code} "
-                    f"before it was healthy; last log lines ({self.log_path}):\n"
-                    + "\n".join(self.log_text().splitlines()[-25:])
+                    f"before it was healthy; last log lines ({self.log_path}):\n" + self.log_tail()
                 )
             try:
                 if httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200:

@@ -1,0 +1,209 @@
+"""Start a whole P/D deployment on Ray: engine actors, readiness, the router; stop it all."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from vllm_hybrid_nixl.ray.actors import EngineActor
+from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
+from vllm_hybrid_nixl.router.app import RouterSettings
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+
+
+class EngineNotReadyError(RuntimeError):
+    """An engine died or did not answer /health in time; names it and shows its log tail."""
+
+
+@dataclass
+class EngineHandle:
+    name: str
+    role: str
+    actor: Any
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class PDDeployment:
+    """``start()`` brings up engines and router; ``stop()`` (or leaving ``with``) ends them."""
+
+    def __init__(self, config: PDConfig, router_settings: RouterSettings | None = None) -> None:
+        self.config = config
+        self.router_settings = router_settings
+        self.engines: list[EngineHandle] = []
+        self.router: RouterServer | None = None
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-")
+        self._started_ray = False
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def __enter__(self) -> PDDeployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def start(self) -> PDDeployment:
+        self._connect()
+        self._check_resources()
+        self._start_engines()
+        self._wait_ready()
+        pool = BackendPool.from_urls(
+            [e.info["url"] for e in self.engines if e.role == "prefill"],
+            [e.info["url"] for e in self.engines if e.role == "decode"],
+        )
+        self.router = RouterServer(
+            pool, self.config.router_host, self.config.router_port, self.router_settings
+        ).start()
+        return self
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        if self.engines:
+            try:
+                ray.get([e.actor.stop.remote() for e in self.engines], timeout=60)
+            except Exception as exc:  # an actor that is already gone has nothing to stop
+                _say(f"warning: stopping engines: {exc}")
+            for engine in self.engines:
+                ray.kill(engine.actor)
+            self.engines = []
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    # ---- steps -----------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return
+        if self.config.address:
+            ray.init(address=self.config.address, log_to_driver=False)
+        else:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        self._started_ray = True
+
+    def _check_resources(self) -> None:
+        config = self.config
+        per_engine = {"CPU": config.engine_num_cpus, "GPU": config.resolved_num_gpus()}
+        needed: dict[str, float] = {}
+        for count, extra in (
+            (config.num_prefill, config.prefill_resources),
+            (config.num_decode, config.decode_resources),
+        ):
+            for name, amount in {**per_engine, **extra}.items():
+                needed[name] = needed.get(name, 0.0) + amount * count
+        available = ray.cluster_resources()
+        short = {
+            name: (amount, available.get(name, 0.0))
+            for name, amount in needed.items()
+            if amount > available.get(name, 0.0) + 1e-9
+        }
+        if short:
+            detail = ", ".join(
+                f"{name}: need {need:g}, cluster has {have:g}"
+                for name, (need, have) in short.items()
+            )
+            raise ConfigError(
+                f"{config.num_prefill} prefill + {config.num_decode} decode engines do not fit "
+                f"the Ray cluster ({detail}); lower the engine counts, engine_num_cpus / "
+                "engine_num_gpus, or add nodes"
+            )
+
+    def _start_engines(self) -> None:
+        config = self.config
+        kv_buffer_device = config.resolved_kv_buffer_device()
+        cores = os.cpu_count() or 1
+        index = 0
+        for role, count, extra in (
+            ("prefill", config.num_prefill, config.prefill_resources),
+            ("decode", config.num_decode, config.decode_resources),
+        ):
+            for i in range(count):
+                name = f"{role}-{i}"
+                actor = EngineActor.options(
+                    name=None,
+                    num_cpus=config.engine_num_cpus,
+                    num_gpus=config.resolved_num_gpus(),
+                    resources=extra or None,
+                ).remote(
+                    name,
+                    role,
+                    config.model,
+                    config.connector,
+                    kv_buffer_device,
+                    config.serve_args(),
+                    config.env,
+                    self.log_dir,
+                    index % cores,
+                )
+                self.engines.append(EngineHandle(name, role, actor))
+                index += 1
+        infos = ray.get([e.actor.start.remote() for e in self.engines], timeout=300)
+        for engine, info in zip(self.engines, infos, strict=True):
+            engine.info = info
+            _say(
+                f"  {engine.name}: {info['url']} on node {info['node_ip']} "
+                f"(NIXL side channel {info['side_channel']}, log {info['log']})"
+            )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        started = time.monotonic()
+        last_report = -10.0
+        pending = list(self.engines)
+        while pending:
+            statuses = ray.get([e.actor.status.remote() for e in pending], timeout=60)
+            still = []
+            for engine, status in zip(pending, statuses, strict=True):
+                if status["healthy"]:
+                    _say(f"  {engine.name} ready after {time.monotonic() - started:.0f}s")
+                    continue
+                if not status["alive"]:
+                    raise EngineNotReadyError(
+                        f"engine {engine.name} ({engine.info.get('url')}) exited with code "
+                        f"{status['returncode']} before it was ready; last log lines "
+                        f"({engine.info.get('log')}):\n" + ray.get(engine.actor.log_tail.remote())
+                    )
+                still.append(engine)
+            pending = still
+            if not pending:
+                break
+            elapsed = time.monotonic() - started
+            if time.monotonic() > deadline:
+                engine = pending[0]
+                raise EngineNotReadyError(
+                    f"engine {engine.name} ({engine.info.get('url')}) was not ready after "
+                    f"{elapsed:.0f}s (startup_timeout_s); last log lines "
+                    f"({engine.info.get('log')}):\n" + ray.get(engine.actor.log_tail.remote())
+                )
+            if elapsed - last_report >= 10:
+                last_report = elapsed
+                _say(f"  waiting for {', '.join(e.name for e in pending)} ({elapsed:.0f}s)")
+            time.sleep(1.0)
+
+    # ---- facts for callers -------------------------------------------------------------
+
+    @property
+    def router_url(self) -> str:
+        if self.router is None:
+            raise RuntimeError("the deployment is not started")
+        return self.router.url
+
+    def urls(self, role: str) -> list[str]:
+        return [e.info["url"] for e in self.engines if e.role == role]

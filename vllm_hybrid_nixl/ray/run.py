@@ -1,0 +1,35 @@
+"""Run a deployment until Ctrl-C / SIGTERM, then stop everything it started."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
+from vllm_hybrid_nixl.ray.deployment import EngineNotReadyError, PDDeployment
+
+
+def serve_until_signalled(config: PDConfig) -> int:
+    """Start engines and router, print ``router: URL``, block until a signal; 0 on clean exit."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        print(f"received {signal.Signals(signum).name}, shutting down", file=sys.stderr)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    deployment = PDDeployment(config)
+    try:
+        deployment.start()
+        print(f"router: {deployment.router_url}", flush=True)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    except (ConfigError, EngineNotReadyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        deployment.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,250 @@
+"""The router's HTTP application (FastAPI + one pooled httpx client).
+
+Each completion or chat request becomes two legs: a prefill leg (``max_tokens=1``, not
+streamed, ``kv_transfer_params={"do_remote_decode": true}``) on a prefill engine, then the
+original request plus the returned ``kv_transfer_params`` on a decode engine, whose answer
+(streamed or not) goes straight back to the client.  A failing leg becomes an OpenAI-style
+error naming the leg and the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+
+from vllm_hybrid_nixl.router.backends import Backend, BackendPool
+from vllm_hybrid_nixl.router.metrics import RouterMetrics
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    connect_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0  # the whole prefill leg
+    decode_read_timeout_s: float = 300.0  # longest silence while reading the decode answer
+    health_timeout_s: float = 3.0
+    max_connections: int = 256
+
+
+class LegError(Exception):
+    """A leg that did not produce a usable answer; carries the client-facing status."""
+
+    def __init__(self, leg: str, backend: Backend, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.leg, self.backend, self.status, self.detail = leg, backend, status, detail
+
+    def response(self) -> JSONResponse:
+        message = (
+            f"{self.leg} leg failed on engine {self.backend.label} ({self.backend.url}): "
+            f"{self.detail}"
+        )
+        return error_response(
+            self.status, message, "upstream_error", leg=self.leg, engine=self.backend.url
+        )
+
+
+def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status, **extra}}, status_code=status
+    )
+
+
+def _upstream_detail(response: httpx.Response) -> str:
+    try:
+        payload = response.json()
+        message = payload.get("error", {}).get("message") if isinstance(payload, dict) else None
+        if message is None and isinstance(payload, dict):
+            message = payload.get("message") or payload.get("detail")
+        text = str(message if message is not None else payload)
+    except (json.JSONDecodeError, ValueError):
+        text = response.text
+    return f"HTTP {response.status_code}: {text[:500]}"
+
+
+def _client_status(upstream_status: int) -> int:
+    """Client errors pass through (the request is at fault); engine errors become 502."""
+    return upstream_status if 400 <= upstream_status < 500 else 502
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "n" in leg:
+        leg["n"] = 1
+    return leg
+
+
+def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> FastAPI:
+    settings = settings or RouterSettings()
+    metrics = RouterMetrics()
+    state: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+        )
+        async with httpx.AsyncClient(limits=limits, timeout=settings.prefill_timeout_s) as client:
+            state["client"] = client
+            yield
+
+    app = FastAPI(title="vllm-hybrid-nixl router", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.pool = pool
+
+    async def send_leg(
+        leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
+    ) -> httpx.Response:
+        client = state["client"]
+        timeout = httpx.Timeout(
+            settings.prefill_timeout_s if leg == "prefill" else settings.decode_read_timeout_s,
+            connect=settings.connect_timeout_s,
+        )
+        request = client.build_request("POST", f"{backend.url}{path}", json=body, timeout=timeout)
+        started = time.perf_counter()
+        try:
+            response = await client.send(request, stream=stream)
+        except httpx.TimeoutException as exc:
+            metrics.leg_requests.labels(leg, backend.url, "timeout").inc()
+            raise LegError(leg, backend, 504, f"timed out ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            metrics.leg_requests.labels(leg, backend.url, "unreachable").inc()
+            raise LegError(leg, backend, 502, f"engine unreachable: {exc!r}") from exc
+        metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
+        if response.status_code != 200:
+            if stream:
+                await response.aread()
+                await response.aclose()
+            metrics.leg_requests.labels(leg, backend.url, f"http_{response.status_code}").inc()
+            raise LegError(
+                leg, backend, _client_status(response.status_code), _upstream_detail(response)
+            )
+        metrics.leg_requests.labels(leg, backend.url, "ok").inc()
+        return response
+
+    async def disaggregate(path: str, endpoint: str, request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(
+                400, "request body must be a JSON object", "invalid_request_error"
+            )
+        metrics.in_flight.inc()
+        try:
+            prefill = pool.next_prefill()
+            first = await send_leg("prefill", prefill, path, prefill_body(body), stream=False)
+            params = first.json().get("kv_transfer_params")
+            if not params:
+                raise LegError(
+                    "prefill",
+                    prefill,
+                    502,
+                    "the engine returned no kv_transfer_params; is it running with "
+                    "--kv-transfer-config and kv_role kv_producer?",
+                )
+            decode = pool.next_decode()
+            decode_body = {**body, "kv_transfer_params": params}
+            stream = bool(body.get("stream"))
+            second = await send_leg("decode", decode, path, decode_body, stream=stream)
+        except LegError as exc:
+            metrics.requests.labels(endpoint, f"{exc.leg}_error").inc()
+            metrics.in_flight.dec()
+            return exc.response()
+        except LookupError as exc:
+            metrics.in_flight.dec()
+            return error_response(503, str(exc), "service_unavailable")
+
+        def finish(outcome: str = "ok") -> None:
+            metrics.requests.labels(endpoint, outcome).inc()
+            metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+            metrics.in_flight.dec()
+
+        if not stream:
+            finish()
+            return Response(
+                second.content,
+                status_code=200,
+                media_type=second.headers.get("content-type", "application/json"),
+            )
+
+        async def relay():
+            async for chunk in second.aiter_raw():
+                yield chunk
+
+        async def close() -> None:
+            await second.aclose()
+            finish()
+
+        return StreamingResponse(
+            relay(), media_type="text/event-stream", background=BackgroundTask(close)
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await disaggregate("/v1/completions", "completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await disaggregate("/v1/chat/completions", "chat", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        backend = pool.decode[0] if pool.decode else pool.prefill[0]
+        try:
+            response = await state["client"].get(
+                f"{backend.url}/v1/models", timeout=settings.health_timeout_s
+            )
+        except httpx.HTTPError as exc:
+            return LegError("models", backend, 502, f"engine unreachable: {exc!r}").response()
+        return Response(
+            response.content, status_code=response.status_code, media_type="application/json"
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        async def probe(backend: Backend) -> dict[str, Any]:
+            try:
+                response = await state["client"].get(
+                    f"{backend.url}/health", timeout=settings.health_timeout_s
+                )
+                up = response.status_code == 200
+                detail = "" if up else f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                up, detail = False, repr(exc)
+            return {
+                "name": backend.label,
+                "role": backend.role,
+                "url": backend.url,
+                "up": up,
+                "detail": detail,
+            }
+
+        engines = await asyncio.gather(*(probe(b) for b in pool.all()))
+        ready = all(
+            any(e["up"] for e in engines if e["role"] == role) for role in ("prefill", "decode")
+        )
+        return JSONResponse(
+            {"status": "ok" if ready else "unavailable", "engines": engines},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
