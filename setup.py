@@ -21,6 +21,11 @@ setup(
         "nixl>=1.5",
         "ray>=2.50",
         "httpx>=0.27",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
+        "pydantic>=2.6",
+        "pyyaml>=6",
     ],
     extras_require={
         # vLLM's CPU build; torch 2.13.0 (CPU build) is installed first by scripts/install.sh.

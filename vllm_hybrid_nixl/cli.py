@@ -37,7 +37,11 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
         sliding_window=args.sliding_window,
         seed=args.seed,
     )
-    print(build_tiny_model(args.out, spec))
+    try:
+        print(build_tiny_model(args.out, spec))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -50,12 +54,54 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_tokens=args.max_tokens,
             log_dir=args.log_dir,
-            connector=args.connector,
         )
     )
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from vllm_hybrid_nixl.ray.config import ConfigError, load_config, make_config
+    from vllm_hybrid_nixl.ray.run import serve_until_signalled
+
+    flags = {
+        "model": args.model,
+        "num_prefill": args.num_prefill,
+        "num_decode": args.num_decode,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "connector": args.connector,
+        "router_host": args.router_host,
+        "router_port": args.router_port,
+        "address": args.address,
+        "log_dir": args.log_dir,
+        "engine_args": args.engine_args or None,
+    }
+    try:
+        if args.config:
+            config = load_config(args.config, **flags)
+        elif not args.model:
+            print("error: give --config FILE or --model DIR", file=sys.stderr)
+            return 2
+        else:
+            config = make_config(**{k: v for k, v in flags.items() if v is not None})
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve_until_signalled(config)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from vllm_hybrid_nixl.router import BackendPool, build_app
+
+    app = build_app(BackendPool.from_urls(args.prefill, args.decode))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_hybrid_nixl.tools.tiny_model import ARCHES, TinyModelSpec
+
     parser = argparse.ArgumentParser(
         prog="vllm-hybrid-nixl",
         description="NIXL prefill/decode disaggregation for hybrid models in vLLM.",
@@ -64,31 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("version", help="show our version, the installed vLLM and the supported range")
     sub.add_parser(
-        "serve",
+        "vllm",
         add_help=False,
-        help="run `vllm serve ...` (works with vLLM's CPU build too); all arguments go to vLLM",
+        help="run vLLM's own CLI, e.g. `vllm-hybrid-nixl vllm serve MODEL ...` (works with "
+        "vLLM's CPU build too); all further arguments go to vLLM",
     )
-
-    tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
-    from vllm_hybrid_nixl.tools.tiny_model import ARCHES, TinyModelSpec
-
-    defaults = TinyModelSpec()
-    tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch)
-    tiny.add_argument("--out", required=True)
-    tiny.add_argument("--layers", type=int, default=defaults.layers)
-    tiny.add_argument("--hidden", type=int, default=defaults.hidden)
-    tiny.add_argument("--sliding-window", type=int, default=defaults.sliding_window)
-    tiny.add_argument("--seed", type=int, default=defaults.seed)
-
-    demo = sub.add_parser(
-        "demo",
-        help="1P1D of a tiny hybrid model on a local Ray cluster, checked against "
-        "a colocated engine",
-    )
-    demo.add_argument("--model", help="model directory (default: build a tiny hybrid model)")
-    demo.add_argument("--block-size", type=int, default=64)
-    demo.add_argument("--max-tokens", type=int, default=24)
-    demo.add_argument("--log-dir")
 
     serve = sub.add_parser(
         "serve",
@@ -98,16 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         "`--` go to every engine's `vllm serve`.",
     )
     serve.add_argument("--config", help="YAML config (configs/ray/*.yaml); flags override it")
-    serve.add_argument("--model")
+    serve.add_argument("--model", help="model directory or id")
     serve.add_argument("--num-prefill", type=int)
     serve.add_argument("--num-decode", type=int)
     serve.add_argument("--dtype")
     serve.add_argument("--block-size", type=int)
-    serve.add_argument("--connector")
+    serve.add_argument("--connector", help="HybridNixlConnector (default) or NixlConnector")
     serve.add_argument("--router-host")
     serve.add_argument("--router-port", type=int)
     serve.add_argument("--address", help="Ray cluster address (default: start a local one)")
-    serve.add_argument("--log-dir")
+    serve.add_argument("--log-dir", help="where engine logs go (default: a temporary folder)")
     serve.add_argument("engine_args", nargs=argparse.REMAINDER)
 
     router = sub.add_parser("router", help="run only the router in front of running engines")
@@ -115,7 +141,35 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode", action="append", required=True, help="decode engine URL")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
+
+    demo = sub.add_parser(
+        "demo",
+        help="1P1D of a tiny hybrid model on a local Ray cluster, checked against a "
+        "colocated engine",
+    )
+    demo.add_argument("--model", help="model directory (default: build a tiny hybrid model)")
+    demo.add_argument("--block-size", type=int, default=64)
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--log-dir")
+
+    tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
+    defaults = TinyModelSpec()
+    tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch)
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--layers", type=int, default=defaults.layers)
+    tiny.add_argument("--hidden", type=int, default=defaults.hidden)
+    tiny.add_argument("--sliding-window", type=int, default=defaults.sliding_window)
+    tiny.add_argument("--seed", type=int, default=defaults.seed)
     return parser
+
+
+COMMANDS = {
+    "version": _cmd_version,
+    "serve": _cmd_serve,
+    "router": _cmd_router,
+    "demo": _cmd_demo,
+    "make-tiny-model": _cmd_make_tiny_model,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         launch(argv[1:])  # `vllm ...` with every argument passed through
         return 0
     args = build_parser().parse_args(argv)
-    handler = {"version": _cmd_version, "make-tiny-model": _cmd_make_tiny_model, "demo": _cmd_demo}[
-        args.command
-    ]
-    return handler(args)
+    if getattr(args, "engine_args", None) and args.engine_args[0] == "--":
+        args.engine_args = args.engine_args[1:]
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ colocated (non-disaggregated) engine."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,8 @@ PROMPT_REPEATS = (1, 2, 4, 5, 7, 9, 12, 16)
 
 
 def demo_prompts() -> list[str]:
-    return [" ".join([WORDS] * n) + f" prompt {i}" for i, n in enumerate(PROMPT_REPEATS)]
+    # Distinct first words, so no prompt is a prefix-cache hit of another.
+    return [f"prompt {i}: " + " ".join([WORDS] * n) for i, n in enumerate(PROMPT_REPEATS)]
 
 
 @dataclass
@@ -53,21 +56,24 @@ def ensure_model(path: str | None) -> str:
     return str(target.resolve())
 
 
-def _stream_timing(client: httpx.Client, url: str, body: dict) -> tuple[float, float, int]:
-    """(time to first token, output tokens per second after it, tokens) of one streamed request."""
+def stream_timing(client: httpx.Client, url: str, body: dict) -> tuple[float, float, int]:
+    """(time to first token, output tokens/s after it, tokens) of one streamed completion."""
     started = time.perf_counter()
     first = last = None
     tokens = 0
-    with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", f"{url}/v1/completions", json=stream_body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            tokens += 1
-    if first is None or last is None:
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    if first is None or last is None or tokens == 0:
         raise RuntimeError(f"no tokens streamed from {url}")
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
     return first - started, rate, tokens
@@ -77,6 +83,7 @@ def run_demo(options: DemoOptions) -> int:
     wall = time.perf_counter()
     model = ensure_model(options.model)
     setup_s = time.perf_counter() - wall
+    log_dir = options.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-demo-")
     config = make_config(
         model=model,
         num_prefill=1,
@@ -85,13 +92,13 @@ def run_demo(options: DemoOptions) -> int:
         max_model_len=1024,
         enforce_eager=True,
         router_port=0,
-        log_dir=options.log_dir,
+        log_dir=log_dir,
         startup_timeout_s=options.startup_timeout_s,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     colocated = EngineProcess(
         EngineSpec(model, _free_port(), role="none", cpu_core=0, extra_args=config.serve_args()),
-        Path(options.log_dir or "/tmp") / f"colocated-{int(time.time())}.log",
+        Path(log_dir) / "colocated.log",
     )
     started = time.perf_counter()
     _say("starting a colocated reference engine, and 1 prefill + 1 decode engine on Ray")
@@ -149,8 +156,8 @@ def _serve_and_compare(
                 "temperature": 0.0,
                 "ignore_eos": True,
             }
-            timing["pd"].append(_stream_timing(client, deployment.router_url, body))
-            timing["co"].append(_stream_timing(client, colocated.spec.url, body))
+            timing["pd"].append(stream_timing(client, deployment.router_url, body))
+            timing["co"].append(stream_timing(client, colocated.spec.url, body))
     serving_s = time.perf_counter() - serving
     print(
         f"KV over NIXL: {moved.external_prompt_tokens:.0f} prompt tokens, "

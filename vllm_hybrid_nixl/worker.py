@@ -112,6 +112,20 @@ class HybridRegistrationMixin:
     kv_cache_config: Any
     _physical_blocks_per_logical_kv_block: int
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # On CPU, vLLM's NIXL worker pins the calling thread to the last core of each NUMA
+        # node "for KV transfer"; that thread is the engine's compute thread, so every engine
+        # on a box ends up computing on the same core. Keep the binding the engine chose.
+        affinity = os.sched_getaffinity(0)
+        super().__init__(*args, **kwargs)
+        if os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+            logger.info(
+                "vllm-hybrid-nixl: kept the compute thread on cores %s (vLLM's NIXL worker "
+                "had moved it to the KV-transfer core)",
+                sorted(affinity),
+            )
+
     #: Seconds spent describing and checking in the last ``register_kv_caches``.
     layout_check_seconds: float = 0.0
     validated_layers: list[ValidatedLayer]

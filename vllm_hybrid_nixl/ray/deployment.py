@@ -17,6 +17,10 @@ from vllm_hybrid_nixl.router.app import RouterSettings
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 
+# Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
+# loopback address is kept, so a local cluster binds 127.0.0.2 and all traffic stays on lo.
+LOCAL_NODE_IP = "127.0.0.2"
+
 
 class EngineNotReadyError(RuntimeError):
     """An engine died or did not answer /health in time; names it and shows its log tail."""
@@ -95,7 +99,7 @@ class PDDeployment:
         if self.config.address:
             ray.init(address=self.config.address, log_to_driver=False)
         else:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+            ray.init(_node_ip_address=LOCAL_NODE_IP, include_dashboard=False, log_to_driver=False)
         self._started_ray = True
 
     def _check_resources(self) -> None:

@@ -12,7 +12,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHES = ("llama", "llama-hybrid")
+ARCHES = ("llama", "llama-hybrid", "gemma3")
+# A plain chat template, so /v1/chat/completions works on the tiny models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 _WORDS = (
     "the a prefill decode engine block cache layer token model router request kv "
     "transfer hybrid sliding window full attention memory page group ray actor "
@@ -57,34 +62,25 @@ def _build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.model_max_length = spec.max_positions
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
 
 def _layer_types(spec: TinyModelSpec) -> list[str] | None:
     if spec.arch == "llama":
         return None
-    # Every other layer slides; the last is always full attention.
-    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)]
+    # llama-hybrid: every other layer slides; gemma3: 2 of every 3 (its 5:1 pattern, shrunk).
+    period = 3 if spec.arch == "gemma3" else 2
+    types = [
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+        for i in range(spec.layers)
+    ]
     types[-1] = "full_attention"
     return types
 
 
-def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write config, random weights and tokenizer to ``out``; return the directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if spec.arch not in ARCHES:
-        raise ValueError(f"unknown arch {spec.arch!r}; choose one of {', '.join(ARCHES)}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(spec, out)
-    vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
-    extra: dict[str, object] = {}
-    layer_types = _layer_types(spec)
-    if layer_types is not None:
-        extra = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
-    config = LlamaConfig(
+def _config(spec: TinyModelSpec, vocab_size: int):
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
         intermediate_size=spec.hidden * 2,
@@ -95,15 +91,54 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> 
         max_position_embeddings=spec.max_positions,
         bos_token_id=1,
         eos_token_id=2,
+        pad_token_id=0,
         tie_word_embeddings=False,
-        torch_dtype="float32",
-        **extra,
     )
+    if spec.arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            **common,
+            sliding_window=spec.sliding_window,
+            layer_types=_layer_types(spec),
+            query_pre_attn_scalar=spec.hidden // spec.heads,
+            torch_dtype="float32",
+        )
+    from transformers import LlamaConfig
+
+    extra: dict[str, object] = {}
+    layer_types = _layer_types(spec)
+    if layer_types is not None:
+        extra = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
+    return LlamaConfig(**common, torch_dtype="float32", **extra)
+
+
+def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write config, random weights and tokenizer to ``out``; return the directory.
+
+    The same spec (seed included) always writes the same bytes.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if spec.arch not in ARCHES:
+        raise ValueError(f"unknown arch {spec.arch!r}; choose one of {', '.join(ARCHES)}")
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise ValueError(
+            f"hidden ({spec.hidden}) must divide by heads ({spec.heads}) and heads by "
+            f"kv_heads ({spec.kv_heads})"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(spec, out)
+    vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    config = _config(spec, vocab_size)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
+        generator = torch.Generator().manual_seed(spec.seed)
         for param in model.parameters():  # larger weights give less uniform logits
-            param.normal_(0.0, 0.2)
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
