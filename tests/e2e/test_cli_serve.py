@@ -1,0 +1,187 @@
+"""`vllm-hybrid-nixl demo` and `serve` run as users run them: as processes, checked by their
+output, exit code, and that nothing they started outlives them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """Run the CLI in its own session, so everything it starts can be found afterwards."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [SCRIPT, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def session_members(session_id: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == session_id:
+                    members.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return members
+
+
+def wait_session_empty(session_id: int, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = session_members(session_id)
+        if not left:
+            return []
+        time.sleep(1.0)
+    return session_members(session_id)
+
+
+def engine_pids(log_dir: Path) -> set[int]:
+    """PIDs of every vLLM process (API server, engine core, worker) that wrote a log there.
+
+    Engines run in sessions of their own, so they are found from their logs instead.
+    """
+    pids: set[int] = set()
+    for log in log_dir.glob("*.log"):
+        pids.update(
+            int(p)
+            for p in re.findall(
+                r"\((?:APIServer|EngineCore|Worker) pid=(\d+)\)", log.read_text(errors="replace")
+            )
+        )
+    return pids
+
+
+def alive(pids: set[int]) -> set[int]:
+    living = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            living.add(pid)
+        except ProcessLookupError:
+            continue
+    return living
+
+
+def kill_session(session_id: int) -> None:
+    for pid in session_members(session_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = start(["demo", "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
+    try:
+        output, _ = proc.communicate(timeout=1200)
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 0, output[-4000:]
+    assert "RESULT: OK" in output
+    assert len(re.findall(r"^prompt \d+ \(\d+ tokens\): MATCH$", output, re.M)) == 8
+    moved = re.search(r"KV over NIXL: (\d+) prompt tokens, (\d+) bytes, 0 failed", output)
+    assert moved and int(moved[2]) > 0
+    assert re.search(r"wall time: set-up \d+s, engine start \d+s, serving \d+s", output)
+    assert wait_session_empty(proc.pid) == []
+    pids = engine_pids(tmp_path / "logs")
+    assert len(pids) >= 9  # 3 engines x (API server, engine core, worker)
+    assert alive(pids) == set()
+
+
+def test_serve_prints_router_and_stops_everything_on_sigterm(
+    tmp_path: Path, tiny_hybrid_model
+) -> None:
+    proc = start(
+        [
+            "serve",
+            "--model",
+            str(tiny_hybrid_model),
+            "--block-size",
+            "64",
+            "--router-port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+        ],
+        cwd=tmp_path,
+    )
+    try:
+        router = None
+        deadline = time.monotonic() + 600
+        lines = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("router: "):
+                router = line.split()[1]
+                break
+        assert router, "".join(lines)[-4000:]
+        assert httpx.get(f"{router}/health", timeout=30).json()["status"] == "ok"
+        body = {"model": str(tiny_hybrid_model), "prompt": "hello there", "max_tokens": 4}
+        assert httpx.post(f"{router}/v1/completions", json=body, timeout=120).status_code == 200
+        pids = engine_pids(tmp_path / "logs")
+        assert len(pids) >= 6  # 2 engines x (API server, engine core, worker)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        assert wait_session_empty(proc.pid) == []
+        assert alive(pids) == set()
+    finally:
+        kill_session(proc.pid)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model", "/no/such/model-dir"],
+            "model directory '/no/such/model-dir' does not exist or has no config.json",
+        ),
+        (
+            ["--model", "MODEL", "--connector", "MadeUpConnector"],
+            "unknown connector 'MadeUpConnector'; use one of HybridNixlConnector, NixlConnector",
+        ),
+        (
+            ["--model", "MODEL", "--num-prefill", "3", "--num-decode", "3"],
+            "3 prefill + 3 decode engines do not fit the Ray cluster (CPU: need 6, cluster has",
+        ),
+    ],
+    ids=["missing-model", "unknown-connector", "too-many-engines"],
+)
+def test_bad_deployment_fails_fast_with_a_clear_error(
+    tmp_path: Path, tiny_hybrid_model, args: list[str], message: str
+) -> None:
+    args = [str(tiny_hybrid_model) if a == "MODEL" else a for a in args]
+    proc = start(["serve", *args, "--router-port", "0"], cwd=tmp_path)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == 2, output[-3000:]
+    assert message in output
+    assert "router: " not in output
+    assert wait_session_empty(proc.pid) == []
