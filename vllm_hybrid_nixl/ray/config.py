@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ROUTABLE_CONNECTORS = ("HybridNixlConnector", "NixlConnector")
 
@@ -56,17 +56,18 @@ class PDConfig(BaseModel):
             )
         return value
 
-    @model_validator(mode="after")
-    def _model_exists_if_local(self) -> PDConfig:
-        path = Path(self.model).expanduser()
-        looks_local = path.is_absolute() or self.model.startswith(".") or path.exists()
+    @field_validator("model")
+    @classmethod
+    def _model_exists_if_local(cls, value: str) -> str:
+        path = Path(value).expanduser()
+        looks_local = path.is_absolute() or value.startswith(".") or path.exists()
         if looks_local and not (path / "config.json").is_file():
             raise ValueError(
-                f"model directory {self.model!r} does not exist or has no config.json; "
+                f"model directory {value!r} does not exist or has no config.json; "
                 "pass a directory written by save_pretrained (e.g. `vllm-hybrid-nixl "
                 "make-tiny-model --out DIR`) or a model id"
             )
-        return self
+        return value
 
     def resolved_kv_buffer_device(self) -> str:
         if self.kv_buffer_device:

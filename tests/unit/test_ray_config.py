@@ -1,0 +1,83 @@
+"""Deployment configuration: validation messages and what reaches `vllm serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_hybrid_nixl.ray.config import ConfigError, load_config, make_config
+
+pytestmark = pytest.mark.unit
+
+CONFIG_DIR = Path(__file__).parents[2] / "configs" / "ray"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_flags_become_vllm_serve_arguments(model_dir: Path) -> None:
+    config = make_config(
+        model=str(model_dir),
+        block_size=64,
+        dtype="bfloat16",
+        max_model_len=512,
+        enforce_eager=True,
+        engine_args=["--seed", "3"],
+    )
+    assert config.serve_args() == [
+        "--block-size",
+        "64",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--seed",
+        "3",
+    ]
+
+
+def test_hub_ids_are_not_checked_on_disk() -> None:
+    assert make_config(model="org/some-model").model == "org/some-model"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": "/nope/missing"}, "model: model directory '/nope/missing' does not exist"),
+        ({"connector": "Foo"}, "connector: unknown connector 'Foo'; use one of"),
+        ({"connector": "HybridNixlPushConnector"}, "not supported by the router yet"),
+        ({"num_prefill": 0}, "num_prefill: Input should be greater than or equal to 1"),
+        ({"router_port": 70000}, "router_port: Input should be less than or equal to 65535"),
+        ({"colour": "red"}, "colour: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_settings_are_named(model_dir: Path, values: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_config(**{"model": str(model_dir), **values})
+    assert str(info.value).startswith("invalid P/D configuration: ")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_ray_configs_load(path: Path, model_dir: Path) -> None:
+    config = load_config(path, model=str(model_dir))
+    assert config.connector == "HybridNixlConnector"
+    assert config.block_size == 64
+    assert config.num_prefill >= 1 and config.num_decode >= 1
+
+
+def test_two_by_two_config_places_roles_by_resource(model_dir: Path) -> None:
+    config = load_config(CONFIG_DIR / "2p2d.yaml", model=str(model_dir))
+    assert (config.num_prefill, config.num_decode) == (2, 2)
+    assert config.prefill_resources == {"prefill_node": 1}
+    assert config.decode_resources == {"decode_node": 1}
+
+
+def test_missing_config_file_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file .*nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
