@@ -16,6 +16,7 @@ import httpx
 
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.ray.config import make_config
 from vllm_hybrid_nixl.ray.deployment import PDDeployment
 
@@ -97,7 +98,7 @@ def run_demo(options: DemoOptions) -> int:
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     colocated = EngineProcess(
-        EngineSpec(model, _free_port(), role="none", cpu_core=0, extra_args=config.serve_args()),
+        EngineSpec(model, free_port(), role="none", cpu_core=0, extra_args=config.serve_args()),
         Path(log_dir) / "colocated.log",
     )
     started = time.perf_counter()
@@ -184,11 +185,3 @@ def _serve_and_compare(
         )
     )
     return 0 if ok else 1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.netutil import free_port
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(
@@ -16,12 +16,6 @@ WORKER_LINE = re.compile(
     r"\(pid (?P<pid>\d+)\) validated (?P<layers>\d+) KV-cache layers \(r=(?P<r>\d+), "
     r"forms=(?P<forms>[\w,]+), groups=(?P<groups>\d+)\)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

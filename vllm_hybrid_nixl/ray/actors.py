@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import httpx
 import ray
 
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.netutil import free_port
 
 
 def node_ip_of_this_actor() -> str:
@@ -24,12 +24,6 @@ def node_ip_of_this_actor() -> str:
         if node["NodeID"] == node_id:
             return node["NodeManagerAddress"]
     return ray.util.get_node_ip_address()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @ray.remote
@@ -53,10 +47,10 @@ class EngineActor:
         engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
         spec = EngineSpec(
             model=model,
-            port=_free_port(node_ip),
+            port=free_port(node_ip),
             role=role,
             connector=connector,
-            side_channel_port=_free_port(node_ip),
+            side_channel_port=free_port(node_ip),
             host=node_ip,
             cpu_core=cpu_core if kv_buffer_device == "cpu" else None,
             kv_buffer_device=kv_buffer_device,

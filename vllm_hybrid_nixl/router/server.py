@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
 
+from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.router.app import RouterSettings, build_app
 from vllm_hybrid_nixl.router.backends import BackendPool
 
@@ -23,9 +23,7 @@ class RouterServer:
         settings: RouterSettings | None = None,
     ) -> None:
         if port == 0:
-            with socket.socket() as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
+            port = free_port(host)
         self.host, self.port = host, port
         self.app = build_app(pool, settings)
         config = uvicorn.Config(

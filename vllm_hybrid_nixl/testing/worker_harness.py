@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_hybrid_nixl.launcher import install_cpu_version_alias
+from vllm_hybrid_nixl.netutil import free_port
 
 install_cpu_version_alias()
 
@@ -43,12 +43,6 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_configs  # noqa: E402
 
 BLOCK_SIZE = 128  # user block size; r = 128 / kernel block size
 KV_CACHE_BYTES = 8 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
