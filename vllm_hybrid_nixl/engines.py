@@ -95,6 +95,11 @@ class EngineSpec:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.host.startswith("127."):
+            # An engine on a loopback address talks only to peers on this machine: keep
+            # UCX (NIXL's transport) on the loopback device too, instead of also trying the
+            # machine's outward interfaces.
+            env.setdefault("UCX_NET_DEVICES", "lo")
         env.update(self.env)
         return env
 

@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import ray
 
+from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
 from vllm_hybrid_nixl.ray.actors import EngineActor
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.app import RouterSettings
@@ -66,6 +68,7 @@ class PDDeployment:
         self._check_resources()
         self._start_engines()
         self._wait_ready()
+        self._warm_up_pairs()
         pool = BackendPool.from_urls(
             [e.info["url"] for e in self.engines if e.role == "prefill"],
             [e.info["url"] for e in self.engines if e.role == "decode"],
@@ -200,6 +203,37 @@ class PDDeployment:
                 last_report = elapsed
                 _say(f"  waiting for {', '.join(e.name for e in pending)} ({elapsed:.0f}s)")
             time.sleep(1.0)
+
+    def _warm_up_pairs(self) -> None:
+        """One tiny P/D request per (prefill, decode) pair before the router opens.
+
+        The first NIXL transfer between two engines sets up their connection, which took
+        tens of seconds here; doing it now keeps it off the first user's request, and proves
+        every pair can move KV before the deployment is announced ready.
+        """
+        body = {
+            "model": self.config.model,
+            "prompt": "warm up",
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        prefills = [e for e in self.engines if e.role == "prefill"]
+        decodes = [e for e in self.engines if e.role == "decode"]
+        with httpx.Client(timeout=self.config.startup_timeout_s) as client:
+            for p in prefills:
+                for d in decodes:
+                    started = time.monotonic()
+                    try:
+                        disaggregated_completion(client, p.info["url"], d.info["url"], body)
+                    except (LegError, httpx.HTTPError) as exc:
+                        raise EngineNotReadyError(
+                            f"engines {p.name} and {d.name} are up but a P/D request between "
+                            f"them failed: {exc}; see {p.info['log']} and {d.info['log']}"
+                        ) from exc
+                    _say(
+                        f"  {p.name} -> {d.name}: KV transfer path ready "
+                        f"({time.monotonic() - started:.1f}s)"
+                    )
 
     # ---- facts for callers -------------------------------------------------------------
 
