@@ -254,8 +254,7 @@ def _check_shared_storage(validated: Sequence[ValidatedLayer]) -> None:
         open_layers: list[tuple[int, ValidatedLayer]] = []  # (end, layer) still overlapping
         for item in ordered:
             start, end = _registered_range(item)
-            if open_layers:
-                open_layers = [(e, other) for e, other in open_layers if e > start]
+            open_layers = [(e, other) for e, other in open_layers if e > start]
             for _, other in open_layers:
                 _require_same_grid(item, other)
             open_layers.append((end, item))
@@ -263,8 +262,7 @@ def _check_shared_storage(validated: Sequence[ValidatedLayer]) -> None:
 
 def _require_same_grid(item: ValidatedLayer, other: ValidatedLayer) -> None:
     layer, first = item.layer, other.layer
-    page = other.physical_page_size
-    aligned = page > 0 and (layer.data_ptr - first.data_ptr) % max(page, 1) == 0
+    aligned = (layer.data_ptr - first.data_ptr) % other.physical_page_size == 0
     if (layer.page_size, layer.num_blocks) == (first.page_size, first.num_blocks) and aligned:
         return
     raise _error(
