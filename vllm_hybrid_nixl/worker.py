@@ -8,6 +8,7 @@ supported release registers byte-correctly.  Registration itself stays vLLM's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,6 +17,16 @@ from typing import Any
 import torch
 
 from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.fingerprint import (
+    LayoutFingerprint,
+    LayoutMismatchError,
+    StockPeerError,
+    compare_with_peer,
+    mismatch_message,
+    stock_peer_message,
+)
+from vllm_hybrid_nixl.handshake_probe import fetch_compat_string
+from vllm_hybrid_nixl.kv_cache_facts import fingerprint_of, spec_kind
 from vllm_hybrid_nixl.layout import (
     MAMBA_KIND,
     LayerDescription,
@@ -27,18 +38,6 @@ from vllm_hybrid_nixl.layout import (
 logger = logging.getLogger("vllm.hybrid_nixl.worker")
 
 _NIXL = compat.nixl_classes()
-
-
-def spec_kind(spec: Any) -> str:
-    """Map a vLLM KV-cache spec to the kind names of the layout check."""
-    classes = compat.kv_cache_spec_classes()
-    for kind in ("mamba", "sliding_window_mla", "mla", "sliding_window", "chunked_local"):
-        cls = classes.get(kind)
-        if cls is not None and isinstance(spec, cls):
-            return "mla" if kind == "sliding_window_mla" else kind
-    if isinstance(spec, classes["full_attention"]):
-        return "full_attention"
-    return type(spec).__name__
 
 
 def _layer_specs_and_groups(kv_cache_config: Any) -> dict[str, tuple[Any, int]]:
@@ -156,6 +155,73 @@ class HybridRegistrationMixin:
             self.layout_check_seconds * 1e3,
         )
         super().register_kv_caches(for_registration)  # type: ignore[misc]
+        self._install_fingerprint()
+
+    # ---- layout fingerprint in the NIXL handshake ------------------------------------------
+    layout_fingerprint: LayoutFingerprint
+
+    def _install_fingerprint(self) -> None:
+        """Replace vLLM's compatibility hash with our layout fingerprint (which embeds it)."""
+        worker: Any = self
+        self.layout_fingerprint = fingerprint_of(
+            worker.vllm_config,
+            worker.kv_cache_config,
+            kernel_block_size=int(worker.block_size),
+            attn_backend=str(worker.backend_name),
+            kv_layout=str(worker.kv_cache_layout),
+            transfer_mode=str(worker._TRANSFER_MODE),
+            vllm_compat_hash=str(worker.compat_hash),
+        )
+        worker.compat_hash = self.layout_fingerprint.encode()
+        worker.xfer_handshake_metadata = dataclasses.replace(
+            worker.xfer_handshake_metadata, compatibility_hash=worker.compat_hash
+        )
+        logger.info(
+            "vllm-hybrid-nixl: layout fingerprint %s (block_size=%d, groups=%s)",
+            self.layout_fingerprint.digest()[:16],
+            self.layout_fingerprint.block_size,
+            ",".join(group.kind for group in self.layout_fingerprint.groups),
+        )
+
+    def _nixl_handshake(
+        self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *args, **kwargs
+    ) -> Any:
+        """Compare layouts with the peer before vLLM's own handshake adds it as a remote agent."""
+        self.verify_peer_layout(host, port, expected_engine_id)
+        return super()._nixl_handshake(  # type: ignore[misc]
+            host, port, remote_tp_size, expected_engine_id, *args, **kwargs
+        )
+
+    def verify_peer_layout(self, host: str, port: int, engine_id: str) -> None:
+        """Raise (and log) when the peer's KV-cache layout or connector differs from ours."""
+        worker: Any = self
+        local_role, remote_role = (
+            ("decode", "prefill") if worker.kv_transfer_config.kv_role == "kv_consumer"
+            else ("prefill", "decode")
+        )
+        where = f"{engine_id} ({host}:{port})"
+        verdict = compare_with_peer(self.layout_fingerprint, fetch_compat_string(host, port))
+        error: RuntimeError | None = None
+        if verdict.stock_peer:
+            allow = worker.kv_transfer_config.get_from_extra_config("allow_stock_peer", False)
+            if not allow:
+                error = StockPeerError(stock_peer_message(remote_role, where))
+            else:
+                # The user accepted the risk; vLLM's check cannot pass (the strings differ).
+                worker.enforce_compat_hash = False
+                logger.warning(
+                    "vllm-hybrid-nixl: %s engine %s runs the stock NixlConnector; layouts are "
+                    "NOT checked (allow_stock_peer is set)",
+                    remote_role,
+                    where,
+                )
+        elif not verdict.compatible:
+            error = LayoutMismatchError(
+                mismatch_message(verdict.differences, local_role, remote_role, where)
+            )
+        if error is not None:
+            logger.error("%s", error)
+            raise error
 
 
 class HybridNixlPullWorker(HybridRegistrationMixin, _NIXL.pull_worker):

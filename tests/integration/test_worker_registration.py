@@ -193,3 +193,28 @@ def test_shared_storage_with_different_page_sizes_passes_vllm_but_not_us(
             ours.register_kv_caches(caches)
     finally:
         ours.shutdown()
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_handshake_carries_the_layout_fingerprint(setup: harness.ModelSetup, ratio: int) -> None:
+    """What a peer receives in the handshake decodes to this engine's real groups and r."""
+    from vllm_hybrid_nixl.fingerprint import decode
+
+    worker = make_worker(setup, ratio)
+    try:
+        caches = harness.allocate_caches(setup.kv_cache_config, "logical", ratio, seed=None)
+        worker.register_kv_caches(caches.views)
+        wire = worker.xfer_handshake_metadata.compatibility_hash
+        assert wire == worker.compat_hash  # vLLM compares this very string with the peer's
+        fingerprint = decode(wire)
+        groups = setup.kv_cache_config.kv_cache_groups
+        assert len(fingerprint.groups) == len(groups) >= 2
+        assert {g.kind for g in fingerprint.groups} == {"sliding_window", "full_attention"}
+        for group in fingerprint.groups:
+            assert group.block_size == harness.BLOCK_SIZE
+            assert group.ratio == ratio
+            assert group.kernel_block_size * ratio == harness.BLOCK_SIZE
+        assert fingerprint.transfer_mode == "pull"
+        assert len(fingerprint.vllm_compat_hash) == 64  # vLLM's own hash, kept inside
+    finally:
+        worker.shutdown()
