@@ -89,12 +89,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_until_signalled(config)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the table, not vLLM's start-up log
+    from vllm_hybrid_nixl.check import run_check
+
+    def side(config: str | None, extra: str) -> list[str]:
+        argv = shlex.split(extra)
+        if config:
+            argv = ["--config", config, *argv]
+        if args.model:
+            argv = ["--model", args.model, *argv]
+        return argv
+
+    return run_check(
+        side(args.prefill_config, args.prefill_args), side(args.decode_config, args.decode_args)
+    )
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vllm_hybrid_nixl.router import BackendPool, build_app
 
-    app = build_app(BackendPool.from_urls(args.prefill, args.decode))
+    try:
+        pool = BackendPool.from_urls(
+            args.prefill, args.decode, args.prefill_side_channel, args.decode_side_channel
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(pool)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -139,8 +166,39 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run only the router in front of running engines")
     router.add_argument("--prefill", action="append", required=True, help="prefill engine URL")
     router.add_argument("--decode", action="append", required=True, help="decode engine URL")
+    for role in ("prefill", "decode"):
+        router.add_argument(
+            f"--{role}-side-channel",
+            action="append",
+            metavar="HOST:PORT",
+            help=f"NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_HOST:PORT) of each {role} engine, "
+            f"in the order of --{role}; lets the router refuse pairs whose KV-cache layouts "
+            "differ before any request",
+        )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
+
+    check = sub.add_parser(
+        "check",
+        help="compare the KV-cache layouts a prefill and a decode engine would have",
+        description="Compute each side's KV-cache groups, block sizes, r, page sizes and "
+        "layout fingerprint from its `vllm serve` arguments (no engine is started, no "
+        "weights are loaded), print them side by side, and exit 1 when the pair would not "
+        "exchange KV correctly (0 when it would, 2 on bad arguments).",
+    )
+    check.add_argument("--model", help="model for both sides (or give it in the args/config)")
+    for role in ("prefill", "decode"):
+        check.add_argument(
+            f"--{role}-args",
+            default="",
+            metavar="ARGS",
+            help=f'the {role} engine\'s `vllm serve` flags as one string, e.g. "--block-size 64"',
+        )
+        check.add_argument(
+            f"--{role}-config",
+            metavar="YAML",
+            help=f"the {role} engine's `vllm serve --config` file",
+        )
 
     demo = sub.add_parser(
         "demo",
@@ -167,6 +225,7 @@ COMMANDS = {
     "version": _cmd_version,
     "serve": _cmd_serve,
     "router": _cmd_router,
+    "check": _cmd_check,
     "demo": _cmd_demo,
     "make-tiny-model": _cmd_make_tiny_model,
 }

@@ -27,8 +27,8 @@ WIRE_PREFIX = "hybrid-nixl/"
 #: Which way each field is usually fixed, for the hint at the end of a mismatch message.
 FIELD_HINTS = {
     "block_size": "start both engines with the same --block-size",
-    "kernel_block_size": "use the same attention backend and --block-size on both engines",
-    "ratio": "use the same attention backend and --block-size on both engines",
+    "kernel_block_size": "use the same attention backend (VLLM_ATTENTION_BACKEND) on both engines",
+    "ratio": "use the same attention backend (VLLM_ATTENTION_BACKEND) on both engines",
     "model": "serve the same model (same path or name) on both engines",
     "dtype": "start both engines with the same --dtype",
     "cache_dtype": "start both engines with the same --kv-cache-dtype",
@@ -200,7 +200,10 @@ def describe_differences(
     found: list[Difference], local_name: str = "this engine", remote_name: str = "peer"
 ) -> str:
     """``field: this engine X, peer Y`` lines followed by what to change."""
-    lines = [f"  {item.field}: {local_name} {item.local!r}, {remote_name} {item.remote!r}" for item in found]
+    lines = [
+        f"  {item.field}: {local_name} {item.local!r}, {remote_name} {item.remote!r}"
+        for item in found
+    ]
     hints = []
     for item in found:
         hint = _hint(item.field)

@@ -35,7 +35,9 @@ def _representative(spec: Any) -> Any:
     return spec
 
 
-def group_fingerprints(kv_cache_config: Any, kernel_block_size: int) -> tuple[GroupFingerprint, ...]:
+def group_fingerprints(
+    kv_cache_config: Any, kernel_block_size: int
+) -> tuple[GroupFingerprint, ...]:
     groups = []
     for group in kv_cache_config.kv_cache_groups:
         spec = _representative(group.kv_cache_spec)
@@ -45,7 +47,9 @@ def group_fingerprints(kv_cache_config: Any, kernel_block_size: int) -> tuple[Gr
             kernel, ratio = block_size, 1
         else:
             kernel, ratio = kernel_block_size, block_size // kernel_block_size
-        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        window = getattr(spec, "sliding_window", None) or getattr(
+            spec, "attention_chunk_size", None
+        )
         groups.append(
             GroupFingerprint(
                 kind=kind,

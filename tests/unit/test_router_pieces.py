@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hybrid_nixl.router.app import prefill_body
-from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.backends import BackendPool, NoCompatiblePairError
 
 pytestmark = pytest.mark.unit
 
@@ -35,17 +35,36 @@ def test_prefill_leg_asks_for_one_token_kept_for_remote_decode() -> None:
 
 
 def test_round_robin_visits_every_engine_in_turn() -> None:
-    pool = BackendPool.from_urls(["http://p0/", "http://p1"], ["http://d0"])
-    assert [pool.next_prefill().url for _ in range(5)] == [
-        "http://p0",
-        "http://p1",
-        "http://p0",
-        "http://p1",
-        "http://p0",
+    pool = BackendPool.from_urls(["http://p0/", "http://p1"], ["http://d0", "http://d1"])
+    pairs = [pool.next_pair(lambda p, d: "") for _ in range(4)]
+    assert [(p.url, d.url) for p, d in pairs] == [
+        ("http://p0", "http://d0"),
+        ("http://p1", "http://d1"),
+        ("http://p0", "http://d0"),
+        ("http://p1", "http://d1"),
     ]
-    assert {pool.next_decode().name for _ in range(3)} == {"decode-0"}
+
+
+def test_refused_pairs_are_skipped_and_all_refused_names_the_reasons() -> None:
+    pool = BackendPool.from_urls(["http://p0", "http://p1"], ["http://d0"])
+
+    def only_p1(p, d) -> str:
+        return "" if p.url == "http://p1" else f"{p.label} and {d.label}: block_size differs"
+
+    assert {pool.next_pair(only_p1)[0].url for _ in range(3)} == {"http://p1"}
+    with pytest.raises(NoCompatiblePairError) as caught:
+        pool.next_pair(lambda p, d: f"{p.label}/{d.label} refused")
+    assert caught.value.reasons == ["prefill-0/decode-0 refused", "prefill-1/decode-0 refused"]
 
 
 def test_empty_role_is_a_lookup_error() -> None:
     with pytest.raises(LookupError, match="no decode engine is configured"):
-        BackendPool.from_urls(["http://p0"], []).next_decode()
+        BackendPool.from_urls(["http://p0"], []).next_pair(lambda p, d: "")
+
+
+def test_side_channels_follow_the_urls_and_a_count_mismatch_is_explained() -> None:
+    pool = BackendPool.from_urls(["http://p0"], ["http://d0"], ["127.0.0.1:5600"], None)
+    assert pool.prefill[0].side_channel == "127.0.0.1:5600"
+    assert pool.decode[0].side_channel == ""
+    with pytest.raises(ValueError, match="1 decode URL\\(s\\) but 2 decode side channel"):
+        BackendPool.from_urls(["http://p0"], ["http://d0"], None, ["a:1", "b:2"])

@@ -13,10 +13,12 @@ import httpx
 import ray
 
 from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
+from vllm_hybrid_nixl.placement import engine_cores
 from vllm_hybrid_nixl.ray.actors import EngineActor
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.app import RouterSettings
 from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.router.server import RouterServer
 
 # Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
@@ -29,6 +31,10 @@ class EngineNotReadyError(RuntimeError):
 
 
 @dataclass
+class IncompatibleEnginesError(RuntimeError):
+    """Engines came up with KV-cache layouts that must not exchange KV."""
+
+
 class EngineHandle:
     name: str
     role: str
@@ -68,11 +74,14 @@ class PDDeployment:
         self._check_resources()
         self._start_engines()
         self._wait_ready()
-        self._warm_up_pairs()
         pool = BackendPool.from_urls(
             [e.info["url"] for e in self.engines if e.role == "prefill"],
             [e.info["url"] for e in self.engines if e.role == "decode"],
+            [e.info["side_channel"] for e in self.engines if e.role == "prefill"],
+            [e.info["side_channel"] for e in self.engines if e.role == "decode"],
         )
+        self._check_pairing(pool)
+        self._warm_up_pairs()
         self.router = RouterServer(
             pool, self.config.router_host, self.config.router_port, self.router_settings
         ).start()
@@ -135,11 +144,12 @@ class PDDeployment:
     def _start_engines(self) -> None:
         config = self.config
         kv_buffer_device = config.resolved_kv_buffer_device()
-        cores = os.cpu_count() or 1
-        index = 0
-        for role, count, extra in (
-            ("prefill", config.num_prefill, config.prefill_resources),
-            ("decode", config.num_decode, config.decode_resources),
+        prefill_cores, decode_cores = engine_cores(
+            config.num_prefill, config.num_decode, os.cpu_count() or 1
+        )
+        for role, count, extra, cores in (
+            ("prefill", config.num_prefill, config.prefill_resources, prefill_cores),
+            ("decode", config.num_decode, config.decode_resources, decode_cores),
         ):
             for i in range(count):
                 name = f"{role}-{i}"
@@ -157,10 +167,9 @@ class PDDeployment:
                     config.serve_args(),
                     config.env,
                     self.log_dir,
-                    index % cores,
+                    cores[i],
                 )
                 self.engines.append(EngineHandle(name, role, actor))
-                index += 1
         infos = ray.get([e.actor.start.remote() for e in self.engines], timeout=300)
         for engine, info in zip(self.engines, infos, strict=True):
             engine.info = info
@@ -203,6 +212,20 @@ class PDDeployment:
                 last_report = elapsed
                 _say(f"  waiting for {', '.join(e.name for e in pending)} ({elapsed:.0f}s)")
             time.sleep(1.0)
+
+    def _check_pairing(self, pool: BackendPool) -> None:
+        """Refuse to serve when some prefill/decode pair has different KV-cache layouts."""
+        table = PairingTable(pool.all(), timeout_s=10.0)
+        table.refresh()
+        unknown = [b.label for b in pool.all() if not table.layout(b).known]
+        if unknown:
+            _say(f"warning: could not read the KV-cache layout of {', '.join(unknown)}")
+        problems = table.problems(pool.prefill, pool.decode)
+        if problems:
+            raise IncompatibleEnginesError(
+                "refusing to pair engines whose KV-cache layouts differ:\n" + "\n".join(problems)
+            )
+        _say("layouts: every prefill/decode pair has the same KV-cache layout fingerprint")
 
     def _warm_up_pairs(self) -> None:
         """One tiny P/D request per (prefill, decode) pair before the router opens.

@@ -7,7 +7,11 @@ import sys
 import threading
 
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
-from vllm_hybrid_nixl.ray.deployment import EngineNotReadyError, PDDeployment
+from vllm_hybrid_nixl.ray.deployment import (
+    EngineNotReadyError,
+    IncompatibleEnginesError,
+    PDDeployment,
+)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -39,7 +43,7 @@ def serve_until_signalled(config: PDConfig) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, EngineNotReadyError) as exc:
+    except (ConfigError, EngineNotReadyError, IncompatibleEnginesError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
-from vllm_hybrid_nixl.router.backends import Backend, BackendPool
+from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
+from vllm_hybrid_nixl.router.pairing import PairingTable
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
     app = FastAPI(title="vllm-hybrid-nixl router", lifespan=lifespan)
     app.state.metrics = metrics
     app.state.pool = pool
+    pairing = PairingTable(pool.all(), timeout_s=settings.health_timeout_s)
+    app.state.pairing = pairing
 
     async def send_leg(
         leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
@@ -146,7 +149,9 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
             )
         metrics.in_flight.inc()
         try:
-            prefill = pool.next_prefill()
+            if pairing.needs_probe():
+                await asyncio.to_thread(pairing.refresh, True)
+            prefill, decode = pool.next_pair(pairing.problem)
             first = await send_leg("prefill", prefill, path, prefill_body(body), stream=False)
             params = first.json().get("kv_transfer_params")
             if not params:
@@ -157,7 +162,6 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
                     "the engine returned no kv_transfer_params; is it running with "
                     "--kv-transfer-config and kv_role kv_producer?",
                 )
-            decode = pool.next_decode()
             decode_body = {**body, "kv_transfer_params": params}
             stream = bool(body.get("stream"))
             second = await send_leg("decode", decode, path, decode_body, stream=stream)
@@ -165,6 +169,10 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
             metrics.requests.labels(endpoint, f"{exc.leg}_error").inc()
             metrics.in_flight.dec()
             return exc.response()
+        except NoCompatiblePairError as exc:
+            metrics.requests.labels(endpoint, "incompatible_engines").inc()
+            metrics.in_flight.dec()
+            return error_response(503, str(exc), "incompatible_engines", reasons=exc.reasons)
         except LookupError as exc:
             metrics.in_flight.dec()
             return error_response(503, str(exc), "service_unavailable")
@@ -232,15 +240,26 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
                 "url": backend.url,
                 "up": up,
                 "detail": detail,
+                "layout": pairing.layout(backend).summary(),
             }
 
+        await asyncio.to_thread(pairing.refresh)
         engines = await asyncio.gather(*(probe(b) for b in pool.all()))
-        ready = all(
-            any(e["up"] for e in engines if e["role"] == role) for role in ("prefill", "decode")
-        )
+        up = {e["url"] for e in engines if e["up"]}
+        pairable = [
+            (p, d)
+            for p in pool.prefill
+            for d in pool.decode
+            if p.url in up and d.url in up and not pairing.problem(p, d)
+        ]
+        problems = pairing.problems(pool.prefill, pool.decode)
         return JSONResponse(
-            {"status": "ok" if ready else "unavailable", "engines": engines},
-            status_code=200 if ready else 503,
+            {
+                "status": "ok" if pairable else "unavailable",
+                "engines": engines,
+                "pairing_problems": problems,
+            },
+            status_code=200 if pairable else 503,
         )
 
     @app.get("/metrics")

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+class NoCompatiblePairError(LookupError):
+    """Every prefill/decode pair was refused; ``reasons`` says why."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__(
+            "no prefill/decode pair may exchange KV (they would corrupt it):\n"
+            + "\n".join(reasons)
+        )
+        self.reasons = reasons
 
 
 @dataclass(frozen=True)
@@ -14,6 +26,7 @@ class Backend:
     url: str  # http://host:port
     role: str  # "prefill" | "decode"
     name: str = ""
+    side_channel: str = ""  # host:port of its NIXL side channel, for the layout check
 
     @property
     def label(self) -> str:
@@ -33,29 +46,51 @@ class BackendPool:
         self._decode_cycle = itertools.cycle(self.decode) if self.decode else None
 
     @classmethod
-    def from_urls(cls, prefill_urls: list[str], decode_urls: list[str]) -> BackendPool:
+    def from_urls(
+        cls,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        prefill_side_channels: list[str] | None = None,
+        decode_side_channels: list[str] | None = None,
+    ) -> BackendPool:
+        """Engines by URL; side channels (``host:port``), when given, follow the URLs' order."""
+
+        def backends(role: str, urls: list[str], channels: list[str] | None) -> list[Backend]:
+            channels = list(channels or [])
+            if channels and len(channels) != len(urls):
+                raise ValueError(
+                    f"{len(urls)} {role} URL(s) but {len(channels)} {role} side channel(s); "
+                    f"give one side channel per {role} engine, in the same order, or none"
+                )
+            channels += [""] * (len(urls) - len(channels))
+            return [
+                Backend(url.rstrip("/"), role, f"{role}-{i}", channel)
+                for i, (url, channel) in enumerate(zip(urls, channels, strict=True))
+            ]
+
         return cls(
-            [
-                Backend(url.rstrip("/"), "prefill", f"prefill-{i}")
-                for i, url in enumerate(prefill_urls)
-            ],
-            [
-                Backend(url.rstrip("/"), "decode", f"decode-{i}")
-                for i, url in enumerate(decode_urls)
-            ],
+            backends("prefill", prefill_urls, prefill_side_channels),
+            backends("decode", decode_urls, decode_side_channels),
         )
 
-    def next_prefill(self) -> Backend:
+    def next_pair(self, problem: Callable[[Backend, Backend], str]) -> tuple[Backend, Backend]:
+        """The next prefill engine (round-robin) and the next decode engine allowed to pair
+        with it; ``problem(p, d)`` says why a pair is refused ("" when allowed)."""
+        reasons: list[str] = []
         with self._lock:
-            if self._prefill_cycle is None:
-                raise LookupError("no prefill engine is configured")
-            return next(self._prefill_cycle)
-
-    def next_decode(self) -> Backend:
-        with self._lock:
-            if self._decode_cycle is None:
-                raise LookupError("no decode engine is configured")
-            return next(self._decode_cycle)
+            if self._prefill_cycle is None or self._decode_cycle is None:
+                missing = "prefill" if self._prefill_cycle is None else "decode"
+                raise LookupError(f"no {missing} engine is configured")
+            for _ in range(len(self.prefill)):
+                prefill = next(self._prefill_cycle)
+                for _ in range(len(self.decode)):
+                    decode = next(self._decode_cycle)
+                    reason = problem(prefill, decode)
+                    if not reason:
+                        return prefill, decode
+                    if reason not in reasons:
+                        reasons.append(reason)
+        raise NoCompatiblePairError(reasons)
 
     def all(self) -> list[Backend]:
         return [*self.prefill, *self.decode]

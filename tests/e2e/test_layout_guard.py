@@ -1,0 +1,166 @@
+"""Engines whose KV-cache layouts differ never exchange KV: refused at handshake and by the
+router, with the differing fields and both values named.
+
+Real ``vllm serve`` processes on 127.0.0.1, real NIXL side channels: a prefill engine at
+block size 64 with HybridNixlConnector, a decode engine at block size 32 with
+HybridNixlConnector, and a prefill engine at 64 with vLLM's stock NixlConnector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import COMMON_ARGS
+from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.fingerprint import decode as decode_fingerprint
+from vllm_hybrid_nixl.handshake_probe import fetch_compat_string
+from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
+from vllm_hybrid_nixl.router import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = " ".join(["a prompt long enough to fill more than one kv cache block"] * 8)
+
+
+@dataclass
+class Engines:
+    prefill_64: EngineProcess
+    decode_32: EngineProcess
+    stock_prefill_64: EngineProcess
+    model: str
+
+
+def _args_with_block_size(block_size: int) -> list[str]:
+    args = list(COMMON_ARGS)
+    args[args.index("--block-size") + 1] = str(block_size)
+    return args
+
+
+def side_channel(engine: EngineProcess) -> str:
+    return f"{engine.spec.host}:{engine.spec.side_channel_port}"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_hybrid_model, tmp_path_factory) -> Iterator[Engines]:
+    logs = tmp_path_factory.mktemp("layout-guard-logs")
+    plan = [
+        ("prefill_64", "prefill", "HybridNixlConnector", 64, 0),
+        ("decode_32", "decode", "HybridNixlConnector", 32, 1),
+        ("stock_prefill_64", "prefill", "NixlConnector", 64, 0),
+    ]
+    started: dict[str, EngineProcess] = {}
+    try:
+        for name, role, connector, block_size, core in plan:
+            spec = EngineSpec(
+                model=str(tiny_hybrid_model),
+                port=free_port(),
+                role=role,
+                side_channel_port=free_port(),
+                cpu_core=core,
+                connector=connector,
+                extra_args=_args_with_block_size(block_size),
+            )
+            started[name] = EngineProcess(spec, logs / f"{name}.log").start()
+        for engine in started.values():
+            engine.wait_healthy(timeout_s=420)
+        yield Engines(**started, model=str(tiny_hybrid_model))
+    finally:
+        for engine in started.values():
+            engine.stop()
+
+
+def _body(model: str) -> dict:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+
+
+def test_side_channels_advertise_fingerprints_and_the_stock_hash(engines: Engines) -> None:
+    ours = decode_fingerprint(
+        fetch_compat_string("127.0.0.1", engines.prefill_64.spec.side_channel_port)
+    )
+    assert ours.block_size == 64 and len(ours.groups) == 2
+    theirs = decode_fingerprint(
+        fetch_compat_string("127.0.0.1", engines.decode_32.spec.side_channel_port)
+    )
+    assert theirs.block_size == 32
+    stock = fetch_compat_string("127.0.0.1", engines.stock_prefill_64.spec.side_channel_port)
+    assert len(stock) == 64 and int(stock, 16) >= 0  # vLLM's plain hex digest
+
+
+def test_block_size_mismatch_fails_at_handshake_naming_both_values(engines: Engines) -> None:
+    with httpx.Client(timeout=120.0) as client:
+        before = read_kv_transfer_counters(engines.decode_32.spec.url, client)
+        with pytest.raises(LegError) as failure:
+            disaggregated_completion(
+                client,
+                engines.prefill_64.spec.url,
+                engines.decode_32.spec.url,
+                _body(engines.model),
+            )
+        moved = read_kv_transfer_counters(engines.decode_32.spec.url, client) - before
+    assert str(failure.value).startswith("decode leg")  # no answer, so no wrong answer
+    assert moved.nixl_bytes == 0
+    log = engines.decode_32.log_text()
+    assert "vllm-hybrid-nixl refused KV transfer with prefill engine" in log
+    assert "groups[0].block_size: decode (this engine) 32, prefill 64" in log
+    assert "--block-size" in log
+
+
+def test_stock_connector_peer_is_refused_with_the_connector_named(engines: Engines) -> None:
+    with httpx.Client(timeout=120.0) as client, pytest.raises(LegError) as failure:
+        disaggregated_completion(
+            client,
+            engines.stock_prefill_64.spec.url,
+            engines.decode_32.spec.url,
+            _body(engines.model),
+        )
+    assert str(failure.value).startswith("decode leg")
+    log = engines.decode_32.log_text()
+    assert "runs vLLM's stock NixlConnector" in log
+    assert "allow_stock_peer" in log
+
+
+@pytest.fixture(scope="module")
+def mismatched_router(engines: Engines) -> Iterator[RouterServer]:
+    pool = BackendPool.from_urls(
+        [engines.prefill_64.spec.url],
+        [engines.decode_32.spec.url],
+        [side_channel(engines.prefill_64)],
+        [side_channel(engines.decode_32)],
+    )
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+def test_router_health_reports_the_incompatible_pair(mismatched_router: RouterServer) -> None:
+    response = httpx.get(f"{mismatched_router.url}/health", timeout=30.0)
+    assert response.status_code == 503
+    health = response.json()
+    assert health["status"] == "unavailable"
+    assert all(engine["up"] for engine in health["engines"])
+    assert "block_size=64" in health["engines"][0]["layout"]
+    (problem,) = health["pairing_problems"]
+    assert "groups[0].block_size: decode-0 32, prefill-0 64" in problem
+
+
+def test_router_refuses_requests_without_touching_an_engine(
+    engines: Engines, mismatched_router: RouterServer
+) -> None:
+    with httpx.Client(timeout=60.0) as client:
+        before = read_kv_transfer_counters(engines.decode_32.spec.url, client)
+        response = client.post(f"{mismatched_router.url}/v1/completions", json=_body(engines.model))
+        after = read_kv_transfer_counters(engines.decode_32.spec.url, client)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["type"] == "incompatible_engines"
+    assert "block_size" in error["message"] and "--block-size" in error["message"]
+    assert after.external_prompt_tokens == before.external_prompt_tokens

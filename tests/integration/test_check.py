@@ -1,0 +1,120 @@
+"""``vllm-hybrid-nixl check``: real vLLM argument parsing and KV-cache configuration (a dry
+run on the meta device, no engine), compared the way the engines compare at handshake."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_hybrid_nixl.check import run_check
+from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(sys.executable).with_name("vllm-hybrid-nixl")
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def check(prefill: list[str], decode: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    code = run_check(prefill, decode, out=out)
+    return code, out.getvalue()
+
+
+def base(model: Path, block_size: int = 64, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        str(block_size),
+        *extra,
+    ]
+
+
+def test_cli_refuses_different_block_sizes_and_names_the_field(tiny_hybrid_model: Path) -> None:
+    started = time.monotonic()
+    out = subprocess.run(
+        [
+            str(SCRIPT),
+            "check",
+            "--model",
+            str(tiny_hybrid_model),
+            "--prefill-args",
+            "--block-size 64 --max-model-len 1024",
+            "--decode-args",
+            "--block-size 32 --max-model-len 1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    elapsed = time.monotonic() - started
+    print(f"check took {elapsed:.1f} s")  # reported, not asserted (shared, noisy machines)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    assert "INCOMPATIBLE" in out.stdout
+    assert "groups[0].block_size: decode 32, prefill 64" in out.stdout
+    assert "different block sizes under the hybrid KV-cache allocator" in out.stdout
+    table_row = next(
+        line for line in out.stdout.splitlines() if line.startswith("groups[0].block_size")
+    )
+    assert table_row.split() == ["groups[0].block_size", "64", "32", "<>"]
+
+
+def test_same_settings_are_compatible(tiny_hybrid_model: Path) -> None:
+    code, text = check(base(tiny_hybrid_model), base(tiny_hybrid_model))
+    assert code == 0, text
+    assert "OK: prefill and decode have the same KV-cache layout" in text
+    assert "<>" not in text
+    # the hybrid model really has two groups, with the sliding window spelled out
+    assert "groups[1].kind" in text and "sliding_window" in text
+
+
+def test_our_config_files_pair_up(tiny_hybrid_model: Path) -> None:
+    """The shipped prefill/decode YAML files (vllm serve --config) describe a compatible pair."""
+    code, text = check(
+        ["--model", str(tiny_hybrid_model), "--config", str(CONFIGS / "prefill-cpu.yaml")],
+        ["--model", str(tiny_hybrid_model), "--config", str(CONFIGS / "decode-cpu.yaml")],
+    )
+    assert code == 0, text
+
+
+def test_different_dtype_is_named(tiny_hybrid_model: Path) -> None:
+    code, text = check(
+        base(tiny_hybrid_model, 64, "--dtype", "float32"),
+        base(tiny_hybrid_model, 64, "--dtype", "bfloat16"),
+    )
+    assert code == 1
+    assert "dtype: decode 'bfloat16', prefill 'float32'" in text
+    assert "--dtype" in text
+
+
+def test_different_models_are_named(tiny_hybrid_model: Path, tmp_path: Path) -> None:
+    other = build_tiny_model(tmp_path / "six-layers", TinyModelSpec(layers=6))
+    code, text = check(base(tiny_hybrid_model), base(other))
+    assert code == 1
+    assert "num_hidden_layers: decode 6, prefill 4" in text
+    assert "model:" in text
+
+
+def test_stock_connector_on_one_side_is_flagged(tiny_hybrid_model: Path) -> None:
+    stock = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}'
+    code, text = check(
+        base(tiny_hybrid_model), base(tiny_hybrid_model, 64, "--kv-transfer-config", stock)
+    )
+    assert code == 1
+    assert "decode uses vLLM's stock NixlConnector" in text
+
+
+def test_bad_engine_arguments_exit_2_with_the_arguments_named(tiny_hybrid_model: Path) -> None:
+    code, text = check(base(tiny_hybrid_model), base(tiny_hybrid_model, 64, "--no-such-flag"))
+    assert code == 2
+    assert "--no-such-flag" in text

@@ -1,0 +1,41 @@
+"""Core placement keeps prefill and decode engines on disjoint cores whenever it can."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_hybrid_nixl.placement import engine_cores
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "cores", "expected"),
+    [
+        (1, 1, 2, ([0], [1])),
+        (2, 1, 2, ([0, 0], [1])),  # the 2P1D shape that stalled when decode shared core 0
+        (1, 2, 2, ([0], [1, 1])),
+        (2, 2, 2, ([0, 0], [1, 1])),
+        (2, 2, 8, ([0, 1], [2, 3])),
+        (3, 1, 3, ([0, 1, 0], [2])),
+        (1, 1, 1, ([0], [0])),
+        (2, 0, 2, ([0, 1], [])),
+    ],
+)
+def test_engine_cores(prefill: int, decode: int, cores: int, expected) -> None:
+    assert engine_cores(prefill, decode, cores) == expected
+
+
+@pytest.mark.parametrize("prefill", range(0, 5))
+@pytest.mark.parametrize("decode", range(0, 5))
+@pytest.mark.parametrize("cores", range(2, 6))
+def test_roles_never_share_a_core_when_both_exist(prefill: int, decode: int, cores: int) -> None:
+    p, d = engine_cores(prefill, decode, cores)
+    assert len(p) == prefill and len(d) == decode
+    assert all(0 <= core < cores for core in p + d)
+    assert not set(p) & set(d)
+
+
+def test_bad_counts_are_explained() -> None:
+    with pytest.raises(ValueError, match="at least one core"):
+        engine_cores(1, 1, 0)

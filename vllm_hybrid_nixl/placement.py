@@ -1,0 +1,32 @@
+"""Which CPU core each engine's compute threads are bound to (vLLM's CPU build).
+
+Measured here: when a decode engine shares a core with the prefill engine it reads KV
+from, the decode side's busy-waiting transfer thread starves the prefill side's NIXL/UCX
+progress and single transfers stall for seconds to minutes (2 cores, 2 prefill + 1
+decode). Keeping the roles on disjoint cores removed the stalls, so when there are fewer
+cores than engines, prefill engines share one set of cores and decode engines another.
+"""
+
+from __future__ import annotations
+
+
+def engine_cores(num_prefill: int, num_decode: int, cores: int) -> tuple[list[int], list[int]]:
+    """Cores for the prefill engines and for the decode engines, in engine order."""
+    if num_prefill < 0 or num_decode < 0 or cores < 1:
+        raise ValueError(
+            f"need non-negative engine counts and at least one core, got {num_prefill} prefill, "
+            f"{num_decode} decode, {cores} cores"
+        )
+    total = num_prefill + num_decode
+    if total <= cores:  # a core each
+        return list(range(num_prefill)), list(range(num_prefill, total))
+    if cores == 1 or num_prefill == 0 or num_decode == 0:
+        return [i % cores for i in range(num_prefill)], [i % cores for i in range(num_decode)]
+    # Fewer cores than engines: split the cores between the roles, in proportion, at least one each.
+    decode_share = min(cores - 1, max(1, round(cores * num_decode / total)))
+    prefill_set = list(range(cores - decode_share))
+    decode_set = list(range(cores - decode_share, cores))
+    return (
+        [prefill_set[i % len(prefill_set)] for i in range(num_prefill)],
+        [decode_set[i % len(decode_set)] for i in range(num_decode)],
+    )
