@@ -60,6 +60,7 @@ def parse_engine_args(args: list[str]) -> Any:
 
     parser = FlexibleArgumentParser(prog="vllm serve (as read by vllm-hybrid-nixl check)")
     parser = serve_cli.make_arg_parser(parser)
+    parser.print_usage = lambda file=None: None  # type: ignore[method-assign]  # the error is enough
     try:
         namespace = parser.parse_args(args)
     except SystemExit as exc:
@@ -75,7 +76,7 @@ def _connector_of(engine_args: Any) -> str:
     return name or "HybridNixlConnector"
 
 
-def side_report(role: str, args: list[str]) -> SideReport:
+def side_report(role: str, args: list[str], engine_args: Any | None = None) -> SideReport:
     """Fingerprint one side from its engine arguments (a dry run, no engine)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         compute_nixl_compatibility_hash,
@@ -85,7 +86,7 @@ def side_report(role: str, args: list[str]) -> SideReport:
     from vllm_hybrid_nixl.dry_run import kv_cache_setup
     from vllm_hybrid_nixl.kv_cache_facts import fingerprint_of
 
-    engine_args = parse_engine_args(args)
+    engine_args = engine_args if engine_args is not None else parse_engine_args(args)
     connector = _connector_of(engine_args)
     mode = "push" if connector in PUSH_CONNECTORS else "pull"
     try:
@@ -192,8 +193,9 @@ def run_check(prefill_args: list[str], decode_args: list[str], out: TextIO = sys
         print(f"error: {exc}", file=out)
         return 1
     try:
-        prefill = side_report("prefill", prefill_args)
-        decode = side_report("decode", decode_args)
+        parsed = [parse_engine_args(prefill_args), parse_engine_args(decode_args)]  # fail fast
+        prefill = side_report("prefill", prefill_args, parsed[0])
+        decode = side_report("decode", decode_args, parsed[1])
     except CheckInputError as exc:
         print(f"error: {exc}", file=out)
         return 2

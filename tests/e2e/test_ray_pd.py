@@ -1,14 +1,13 @@
-"""1 prefill + 1 decode engine as Ray actors on a multi-node Ray cluster (three raylets on
+"""2 prefill + 1 decode engines as Ray actors on a multi-node Ray cluster (three raylets on
 this machine), the router in front.
 
-The prefill engine is placed on one node and the decode engine on another by custom
+The prefill engines are placed on one node and the decode engine on another by custom
 resources; every address the engines advertise is the IP their node registered with Ray
-(127.0.0.2 here), never ``localhost`` or 127.0.0.1. All raylets share that one loopback IP:
-with each raylet on its own loopback alias (127.0.0.3, .4) NIXL's UCX transfers between the
-engines stalled for minutes here, which is a property of UCX on aliased loopback, not of the
-placement under test. With two prefill engines on one raylet and the decode engine on
-another (3 engines on 2 cores), single transfers still stalled for 30 s or more now and then;
-that is being investigated, and this module runs 1P1D until it is understood.
+(127.0.0.2 here), never ``localhost`` or 127.0.0.1. All raylets share that one loopback IP
+(each raylet on its own loopback alias made UCX transfers stall here, a property of UCX on
+aliased loopback, not of the placement under test). Three engines on two cores: the prefill
+engines share one core and the decode engine has the other (``placement.engine_cores``);
+with the decode engine sharing a core with a prefill engine, transfers stalled for minutes.
 """
 
 from __future__ import annotations
@@ -42,11 +41,11 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         connect=False,
         head_node_args={"node_ip_address": NODE_IP, "num_cpus": 0, "include_dashboard": False},
     )
-    cluster.add_node(node_ip_address=NODE_IP, num_cpus=1, resources={"prefill_node": 1})
+    cluster.add_node(node_ip_address=NODE_IP, num_cpus=2, resources={"prefill_node": 2})
     cluster.add_node(node_ip_address=NODE_IP, num_cpus=1, resources={"decode_node": 1})
     config = make_config(
         model=str(tiny_hybrid_model),
-        num_prefill=1,
+        num_prefill=2,
         num_decode=1,
         block_size=64,
         max_model_len=1024,
@@ -94,8 +93,11 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
 def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
     health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()
     assert health["status"] == "ok"
-    assert sorted(e["name"] for e in health["engines"]) == ["decode-0", "prefill-0"]
+    assert sorted(e["name"] for e in health["engines"]) == ["decode-0", "prefill-0", "prefill-1"]
     assert all(e["up"] for e in health["engines"])
+    # every engine's layout fingerprint was read from its side channel, and they all pair
+    assert all("block_size=64" in e["layout"] for e in health["engines"]), health
+    assert health["pairing_problems"] == []
 
 
 def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(

@@ -30,11 +30,11 @@ class EngineNotReadyError(RuntimeError):
     """An engine died or did not answer /health in time; names it and shows its log tail."""
 
 
-@dataclass
 class IncompatibleEnginesError(RuntimeError):
     """Engines came up with KV-cache layouts that must not exchange KV."""
 
 
+@dataclass
 class EngineHandle:
     name: str
     role: str
