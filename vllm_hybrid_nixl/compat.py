@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import inspect
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -138,3 +139,49 @@ def kv_cache_spec_classes() -> dict[str, type]:
         "full_attention": "FullAttentionSpec",
     }
     return {kind: getattr(interface, cls) for kind, cls in names.items() if hasattr(interface, cls)}
+
+
+# ---- behaviours that moved between releases (one place, so callers need no version checks) ----
+
+
+def resolve_kv_cache_layout(vllm_config: Any, backends: list[Any], specs: Any) -> None:
+    """Settle the KV-cache layout as the engine core does before sizing (0.30+); earlier
+    releases read a process-wide default instead, so there is nothing to do."""
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    resolve = getattr(utils, "resolve_kv_cache_layout", None)
+    supported_of = getattr(utils, "get_supported_kv_cache_layouts", None)
+    if resolve is None or supported_of is None:
+        return
+    supported = [layout.name for layout in supported_of(backends)]
+    resolve(vllm_config, [supported], specs)
+
+
+def kv_cache_layout_name(vllm_config: Any) -> str:
+    """The KV-cache layout name the NIXL worker of this release reports (e.g. ``HND``)."""
+    resolved = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+    if resolved is not None:
+        return str(resolved().name)
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    return str(utils.get_kv_cache_layout())
+
+
+def stock_compat_hash(vllm_config: Any, attn_backend: str, transfer_mode: str) -> str:
+    """vLLM's own NIXL compatibility hash, whatever arguments this release's function takes."""
+    metadata = importlib.import_module(f"{NIXL_PACKAGE}.metadata")
+    compute = metadata.compute_nixl_compatibility_hash
+    parameters = inspect.signature(compute).parameters
+    if "transfer_mode" in parameters:
+        return str(compute(vllm_config, attn_backend, transfer_mode=transfer_mode))
+    if "cross_layers_blocks" in parameters:
+        return str(compute(vllm_config, attn_backend, False))
+    return str(compute(vllm_config, attn_backend))
+
+
+def stock_block_strides_from_tensor() -> bool:
+    """Whether the stock worker takes block strides from each tensor's shape (0.30+), which
+    mis-registers a dense ``[NB, PS]`` cache when r != 1, rather than from page sizes."""
+    import dataclasses
+
+    metadata = importlib.import_module(f"{NIXL_PACKAGE}.metadata")
+    fields = {field.name for field in dataclasses.fields(metadata.NixlAgentMetadata)}
+    return "block_strides" in fields

@@ -45,11 +45,9 @@ def kv_cache_setup(
     )
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    from vllm_hybrid_nixl import compat
 
     vllm_config = engine_args.create_engine_config()
     affinity = os.sched_getaffinity(0)  # vLLM's NIXL worker pins the process on CPU
@@ -74,8 +72,7 @@ def kv_cache_setup(
             specs = {name: spec for name, spec in specs.items() if spec is not None}
             # What the engine core does before sizing the cache: resolve one layout.
             backends = get_current_attn_backends(vllm_config)
-            supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
-            resolve_kv_cache_layout(vllm_config, [supported], specs.values())
+            compat.resolve_kv_cache_layout(vllm_config, backends, specs.values())
             kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes])[0]
             yield KvCacheSetup(vllm_config, kv_cache_config, backends, specs)
         finally:

@@ -125,6 +125,8 @@ class HybridRegistrationMixin:
                 sorted(affinity),
             )
 
+    #: "pull" (decode READs) or "push" (prefill WRITEs); part of the layout fingerprint.
+    transfer_mode: str = "pull"
     #: Seconds spent describing and checking in the last ``register_kv_caches``.
     layout_check_seconds: float = 0.0
     validated_layers: list[ValidatedLayer]
@@ -169,7 +171,7 @@ class HybridRegistrationMixin:
             kernel_block_size=int(worker.block_size),
             attn_backend=str(worker.backend_name),
             kv_layout=str(worker.kv_cache_layout),
-            transfer_mode=str(worker._TRANSFER_MODE),
+            transfer_mode=self.transfer_mode,
             vllm_compat_hash=str(worker.compat_hash),
         )
         worker.compat_hash = self.layout_fingerprint.encode()
@@ -230,3 +232,5 @@ class HybridNixlPullWorker(HybridRegistrationMixin, _NIXL.pull_worker):
 
 class HybridNixlPushWorker(HybridRegistrationMixin, _NIXL.push_worker):
     """Push-mode (WRITE) NIXL worker with the HMA-aware registration."""
+
+    transfer_mode = "push"

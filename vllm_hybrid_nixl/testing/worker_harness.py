@@ -10,7 +10,6 @@ per layer in the layout under test.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,25 +20,16 @@ import numpy as np
 import torch
 
 from vllm_hybrid_nixl.launcher import install_cpu_version_alias
-from vllm_hybrid_nixl.netutil import free_port
 
 install_cpu_version_alias()
 
-from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
-    get_current_attn_backends,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlAgentMetadata,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
-from vllm.v1.attention.backends.utils import (  # noqa: E402
-    get_supported_kv_cache_layouts,
-    resolve_kv_cache_layout,
-)
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs  # noqa: E402
+
+from vllm_hybrid_nixl.dry_run import kv_cache_setup  # noqa: E402
 
 BLOCK_SIZE = 128  # user block size; r = 128 / kernel block size
 KV_CACHE_BYTES = 8 << 20
@@ -54,13 +44,6 @@ class ModelSetup:
 @contextlib.contextmanager
 def model_setup(model_dir: str, kv_cache_bytes: int = KV_CACHE_BYTES) -> Iterator[ModelSetup]:
     """Real VllmConfig + KVCacheConfig for ``model_dir``, with vLLM's distributed state up."""
-    from vllm.distributed.parallel_state import (
-        cleanup_dist_env_and_memory,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-    from vllm.model_executor.model_loader.utils import initialize_model
-
     engine_args = EngineArgs(
         model=model_dir,
         enforce_eager=True,
@@ -73,35 +56,8 @@ def model_setup(model_dir: str, kv_cache_bytes: int = KV_CACHE_BYTES) -> Iterato
             "kv_buffer_device": "cpu",
         },
     )
-    vllm_config = engine_args.create_engine_config()
-    affinity = os.sched_getaffinity(0)  # the NIXL worker pins the process on CPU
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
-        try:
-            with torch.device("cpu"):
-                initialize_model(vllm_config=vllm_config)  # registers the attention layers
-            layers = vllm_config.compilation_config.static_forward_context
-            specs = {
-                name: layer.get_kv_cache_spec(vllm_config)
-                for name, layer in layers.items()
-                if isinstance(layer, AttentionLayerBase)
-            }
-            # What the engine core does before sizing the cache: resolve one layout.
-            backends = get_current_attn_backends(vllm_config)
-            supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
-            resolve_kv_cache_layout(vllm_config, [supported], specs.values())
-            kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes])[0]
-            yield ModelSetup(vllm_config, kv_cache_config)
-        finally:
-            os.sched_setaffinity(0, affinity)
-            cleanup_dist_env_and_memory()
+    with kv_cache_setup(engine_args, kv_cache_bytes, device="cpu") as setup:
+        yield ModelSetup(setup.vllm_config, setup.kv_cache_config)
 
 
 @contextlib.contextmanager
@@ -127,51 +83,79 @@ def kernel_block_size(size: int | None) -> Iterator[None]:
 
 @dataclass
 class Caches:
-    """One backing buffer and the per-layer views vLLM's registration receives."""
+    """The backing buffers and the per-layer views vLLM's registration receives."""
 
-    raw: torch.Tensor
+    buffers: list[torch.Tensor]
     views: dict[str, torch.Tensor]
-    layer_offsets: dict[str, int]  # byte offset of each layer's block 0 in ``raw``
+    #: layer -> (buffer index, byte offset of its block 0); layers of an HMA overlay share one
+    layer_regions: dict[str, tuple[int, int]]
     page_size: int
+
+    def block_bytes(self, region: tuple[int, int], block: int) -> torch.Tensor:
+        buffer, start = region
+        return self.buffers[buffer][
+            start + block * self.page_size : start + (block + 1) * self.page_size
+        ]
+
+
+def _backing_regions(
+    kv_cache_config: Any, fill
+) -> tuple[list[torch.Tensor], dict[str, tuple[int, int]]]:
+    """Allocate as the installed release's model runner does.
+
+    0.30+ (``KVCacheTensor.layers``/``layer_stride``): one buffer; layer ``l`` of a tensor
+    starts at ``offset + l * layer_stride``. Earlier releases (``shared_by``): one buffer per
+    KVCacheTensor, shared by the layers (one per group) listed in it.
+    """
+    tensors = kv_cache_config.kv_cache_tensors
+    regions: dict[str, tuple[int, int]] = {}
+    if hasattr(tensors[0], "layer_stride"):
+        sizes = {tensor.size for tensor in tensors}
+        assert len(sizes) == 1
+        buffers = [fill(sizes.pop())]
+        for tensor in tensors:
+            for index, name in enumerate(tensor.layers):
+                regions[name] = (0, tensor.offset + index * tensor.layer_stride)
+        return buffers, regions
+    buffers = []
+    for tensor in tensors:
+        buffers.append(fill(tensor.size))
+        for name in tensor.shared_by:
+            regions[name] = (len(buffers) - 1, 0)
+    return buffers, regions
 
 
 def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | None) -> Caches:
-    """Lay out the caches as vLLM 0.32 does, with per-layer views in ``form``.
+    """Lay out the caches as vLLM does, with per-layer views in ``form``.
 
-    One backing buffer; layer ``l`` of a KVCacheTensor starts at
-    ``offset + l * layer_stride`` and groups overlay each other.  ``form`` is
-    logical ``[NB, PS]``, physical ``[NB*r, PS/r]`` or flat bytes.  The buffer holds
+    ``form`` is logical ``[NB, PS]``, physical ``[NB*r, PS/r]`` or flat bytes. Buffers hold
     random bytes when ``seed`` is given, zeros otherwise.
     """
-    sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
-    assert len(sizes) == 1
-    size = sizes.pop()
-    if seed is None:
-        raw = torch.zeros(size, dtype=torch.uint8)
-    else:
-        generator = torch.Generator().manual_seed(seed)
-        raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def fill(size: int) -> torch.Tensor:
+        if generator is None:
+            return torch.zeros(size, dtype=torch.uint8)
+        return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+
+    buffers, regions = _backing_regions(kv_cache_config, fill)
     specs = layer_specs(kv_cache_config)
     nb = kv_cache_config.num_blocks
     views: dict[str, torch.Tensor] = {}
-    offsets: dict[str, int] = {}
     pages = set()
-    for tensor in kv_cache_config.kv_cache_tensors:
-        for index, name in enumerate(tensor.layers):
-            page = specs[name].page_size_bytes
-            pages.add(page)
-            start = tensor.offset + index * tensor.layer_stride
-            offsets[name] = start
-            region = raw[start : start + nb * page]
-            if form == "flat":
-                views[name] = region
-            elif form == "logical":
-                views[name] = region.view(torch.float32).view(nb, page // 4)
-            elif form == "physical":
-                views[name] = region.view(torch.float32).view(nb * ratio, page // ratio // 4)
-            else:
-                raise ValueError(form)
-    return Caches(raw, views, offsets, max(pages))
+    for name, (buffer, start) in regions.items():
+        page = specs[name].page_size_bytes
+        pages.add(page)
+        region = buffers[buffer][start : start + nb * page]
+        if form == "flat":
+            views[name] = region
+        elif form == "logical":
+            views[name] = region.view(torch.float32).view(nb, page // 4)
+        elif form == "physical":
+            views[name] = region.view(torch.float32).view(nb * ratio, page // ratio // 4)
+        else:
+            raise ValueError(form)
+    return Caches(buffers, views, regions, max(pages))
 
 
 def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
@@ -202,6 +186,11 @@ def _block_descs(
     return np.array(rows, dtype=np.uint64)
 
 
+def _strides(metadata: NixlAgentMetadata) -> list[int]:
+    """Bytes between consecutive blocks of each region (releases before 0.30: dense blocks)."""
+    return list(getattr(metadata, "block_strides", None) or metadata.block_lens)
+
+
 def read_blocks(
     decode: Any, prefill: Any, logical_blocks: list[int], timeout_s: float = 30.0
 ) -> int:
@@ -217,10 +206,8 @@ def read_blocks(
     physical = [b * ratio + j for b in logical_blocks for j in range(ratio)]
     agent = decode.nixl_wrapper
     remote_name = agent.add_remote_agent(remote.agent_metadata)
-    src = _block_descs(
-        remote.kv_caches_base_addr, remote.block_lens, remote.block_strides, physical
-    )
-    dst = _block_descs(local.kv_caches_base_addr, local.block_lens, local.block_strides, physical)
+    src = _block_descs(remote.kv_caches_base_addr, remote.block_lens, _strides(remote), physical)
+    dst = _block_descs(local.kv_caches_base_addr, local.block_lens, _strides(local), physical)
     src_descs = agent.get_xfer_descs(src, "DRAM")
     dst_descs = agent.get_xfer_descs(dst, "DRAM")
     handle = agent.initialize_xfer("READ", dst_descs, src_descs, remote_name)

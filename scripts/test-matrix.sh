@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run the version-sensitive tests against every vLLM release of the matrix, each in its own
+# virtual environment, and regenerate the results table in README.md.
+#
+#   scripts/test-matrix.sh                 every release in MATRIX_RELEASES
+#   MATRIX_RELEASES="0.27.1" scripts/test-matrix.sh
+#
+# 0.32.0 (the newest CPU build) runs in .venv, made by scripts/install.sh (the default test
+# command's environment); older releases get .venvs/vllm-<release> (scripts/matrix-env.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RELEASES=${MATRIX_RELEASES:-"0.25.1 0.27.1 0.32.0"}
+TESTS=${MATRIX_TESTS:-"tests/unit tests/integration/test_worker_registration.py tests/integration/test_plugin.py tests/integration/test_check.py tests/e2e/test_pd_pull.py"}
+out=matrix
+mkdir -p "$out"
+status=0
+for release in $RELEASES; do
+  if [[ "$release" == "0.32.0" ]]; then
+    bash scripts/install.sh --test >/dev/null || { echo "install failed for $release" >&2; status=1; continue; }
+    py=.venv/bin/python
+  else
+    bash scripts/matrix-env.sh "$release" || { echo "install failed for $release" >&2; status=1; continue; }
+    py=.venvs/vllm-$release/bin/python
+  fi
+  printf '\n==> vLLM %s: %s\n' "$release" "$TESTS" >&2
+  # shellcheck disable=SC2086
+  "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/junit-$release.xml" $TESTS || status=1
+done
+"${PYTHON:-python3}" scripts/matrix_report.py "$out" README.md
+exit $status
