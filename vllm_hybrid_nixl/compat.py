@@ -211,3 +211,13 @@ def stock_splits_first_dimension(worker: Any, first_shape: tuple[int, ...]) -> b
         is_mamba=worker._has_mamba,
     )
     return bool(topology.split_k_and_v)
+
+
+@functools.cache
+def side_channel_wants_pp_rank() -> bool:
+    """Whether this release's NIXL side channel expects ``(msg, pp_rank, tp_rank)`` (0.26+,
+    with pipeline-parallel handshakes) rather than ``(msg, tp_rank)`` (0.24-0.25). A request
+    in the other form kills the listener thread of the engine that receives it."""
+    worker_module = importlib.import_module(f"{NIXL_PACKAGE}.base_worker")
+    handshake = worker_module.NixlBaseConnectorWorker._nixl_handshake
+    return "remote_pp_size" in inspect.signature(handshake).parameters

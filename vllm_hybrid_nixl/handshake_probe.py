@@ -2,10 +2,12 @@
 
 The side channel is the ZMQ socket vLLM's NIXL connector serves handshakes on
 (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT``). A request is the msgpack tuple
-``(b"get_meta_msg", pp_rank, tp_rank)``; the first frame of the reply is the handshake
-payload, whose ``compatibility_hash`` is a layout fingerprint when the engine runs
-HybridNixlConnector and a plain hex digest when it runs the stock connector.
-No vLLM import: the router and ``check`` use this too.
+``(b"get_meta_msg", pp_rank, tp_rank)`` (vLLM 0.26+) or ``(b"get_meta_msg", tp_rank)``
+(0.24-0.25) -- the engine's listener thread dies on the other form, so the form must match
+the engines' release; the first frame of the reply is the handshake payload, whose
+``compatibility_hash`` is a layout fingerprint when the engine runs HybridNixlConnector and
+a plain hex digest when it runs the stock connector. vLLM is imported only to pick the
+request form (the newest form when vLLM is not installed).
 """
 
 from __future__ import annotations
@@ -30,11 +32,29 @@ def _compat_string(payload: Any) -> str:
     raise ProbeError("the reply is not a NIXL handshake payload")
 
 
+def _wants_pp_rank() -> bool:
+    try:
+        from vllm_hybrid_nixl import compat
+
+        return compat.side_channel_wants_pp_rank()
+    except Exception:  # no (supported) vLLM here: speak the newest form
+        return True
+
+
 def fetch_compat_string(
-    host: str, port: int, *, tp_rank: int = 0, pp_rank: int = 0, timeout_s: float = 5.0
+    host: str,
+    port: int,
+    *,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+    timeout_s: float = 5.0,
+    with_pp_rank: bool | None = None,
 ) -> str:
     """The compatibility string engine ``host:port`` sends in its NIXL handshake."""
     where = f"tcp://{host}:{port}"
+    if with_pp_rank is None:
+        with_pp_rank = _wants_pp_rank()
+    request = (GET_META_MSG, pp_rank, tp_rank) if with_pp_rank else (GET_META_MSG, tp_rank)
     context = zmq.Context.instance()
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
@@ -42,7 +62,7 @@ def fetch_compat_string(
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         socket.connect(where)
-        socket.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank)))
+        socket.send(msgspec.msgpack.encode(request))
         frames = socket.recv_multipart()
     except zmq.Again as exc:
         raise ProbeError(

@@ -10,6 +10,8 @@ views are then:
   ``[NB, ...]`` with a page of ``PS`` bytes ("logical" form),
   ``[NB*r, ...]`` with a page of ``PS/r`` bytes ("physical" form),
   or a flat byte view of at least ``NB*PS`` bytes ("flat" form);
+  or K/V-leading ``[2, NB*r, ...]``: two block-major halves (K, then V) of ``NB*r``
+  blocks of ``PS/(2r)`` bytes each ("kv_split" form, e.g. ROCm attention);
 * Mamba: ``[NB, ...]`` with one state of ``PS`` bytes per logical block, or flat.
 
 :func:`check_layout` accepts exactly those and raises :class:`HybridLayoutError`
@@ -34,6 +36,7 @@ class LayoutForm(str, Enum):
     LOGICAL = "logical"  # [NB, ...], page PS bytes
     PHYSICAL = "physical"  # [NB*r, ...], page PS/r bytes
     FLAT = "flat"  # 1-D byte view, >= NB*PS bytes
+    KV_SPLIT = "kv_split"  # [2, NB*r, ...]: K half then V half, pages of PS/(2r) bytes
 
 
 class HybridLayoutError(ValueError):
@@ -85,6 +88,8 @@ class ValidatedLayer:
         """True when NIXL must be handed a ``[NB*r, PS/r]`` view of this tensor."""
         if self.layer.spec_kind == MAMBA_KIND:
             return self.form is LayoutForm.FLAT
+        if self.form is LayoutForm.KV_SPLIT:
+            return False  # registered as two regions by the base, as it is
         return self.form is LayoutForm.FLAT or (
             self.form is LayoutForm.LOGICAL and self.layer.ratio != 1
         )
@@ -119,6 +124,11 @@ def _accepted_forms_text(layer: LayerDescription) -> str:
         forms[0] += f" and block stride exactly {ps} bytes"
         forms.append(f"[{nb * r}, ...] with a dense page of {ps // r} bytes")
     forms.append(f"a flat byte view of at least {nb * ps} bytes")
+    if ps % (2 * r) == 0:
+        forms.append(
+            f"K/V-leading [2, {nb * r}, ...] with two dense halves of {nb * r} blocks of "
+            f"{ps // (2 * r)} bytes"
+        )
     return "; ".join(forms)
 
 
@@ -163,6 +173,27 @@ def _validate_block_major(
         f"one block holds {content} bytes with a block stride of {block_stride} bytes, "
         f"expected a page of {page} bytes"
     )
+
+
+def _validate_kv_split(layer: LayerDescription) -> tuple[int | None, str]:
+    """``[2, NB*r, ...]``: each half block-major with pages of PS/(2r) bytes, halves apart."""
+    nb, r, ps = layer.num_blocks, layer.ratio, layer.page_size
+    if ps % (2 * r):
+        return None, f"a page of {ps} bytes does not split into K and V halves of r={r} blocks"
+    half = LayerDescription(
+        **{**layer.__dict__, "shape": layer.shape[1:], "stride": layer.stride[1:]}
+    )
+    blocks, page = nb * r, ps // (2 * r)
+    stride, why = _validate_block_major(half, blocks, page, exact_stride=True)
+    if stride is None:
+        return None, f"each half: {why}"
+    half_bytes = blocks * page
+    if layer.stride[0] * layer.element_size < half_bytes:
+        return None, (
+            f"the V half starts {layer.stride[0] * layer.element_size} bytes after the K half, "
+            f"inside it (each half holds {half_bytes} bytes)"
+        )
+    return stride, ""
 
 
 def _check_inside_storage(layer: LayerDescription, needed: int) -> None:
@@ -226,6 +257,12 @@ def validate_layer(layer: LayerDescription) -> ValidatedLayer:
                 break
             label = "[NB, ...]" if candidate is LayoutForm.LOGICAL else "[NB*r, ...]"
             reasons.append(f"as {label}: {why}")
+        if form is None and layer.shape[0] == 2 and len(layer.shape) >= 3:
+            stride, why = _validate_kv_split(layer)
+            if stride is not None:
+                form, block_stride = LayoutForm.KV_SPLIT, stride
+            else:
+                reasons.append(f"as K/V-leading [2, NB*r, ...]: {why}")
     if form is None:
         raise _error(layer, "; ".join(reasons), _FIX_ALLOCATION)
 

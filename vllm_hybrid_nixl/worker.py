@@ -29,7 +29,9 @@ from vllm_hybrid_nixl.handshake_probe import fetch_compat_string
 from vllm_hybrid_nixl.kv_cache_facts import fingerprint_of, spec_kind
 from vllm_hybrid_nixl.layout import (
     MAMBA_KIND,
+    HybridLayoutError,
     LayerDescription,
+    LayoutForm,
     ValidatedLayer,
     check_layout,
 )
@@ -163,23 +165,46 @@ class HybridRegistrationMixin:
     def _as_the_base_reads_them(
         self, kv_caches: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """On releases that take dim 0 of a cache as K/V (0.24-0.25), hand every attention
-        layer as ``[1, NB*r, PS/r]``, so the base registers it as one dense region of NB*r
-        blocks instead of one region per block."""
-        attention = {
-            item.layer.name: item
-            for item in self.validated_layers
-            if item.layer.spec_kind != MAMBA_KIND
-        }
-        if not attention:
+        """Adapt block-major views to how this release's registration reads dim 0.
+
+        0.24-0.25 take dim 0 of a non-blocks-first cache as K/V: every block-major layer is
+        handed as ``[1, NB*r, PS/r]`` (one dense region of NB*r blocks instead of one region
+        per block), and K/V-leading ``[2, NB*r, ...]`` caches go as they are (two regions).
+        Later releases register one region per layer, so K/V-leading caches are refused.
+        """
+        block_major = {}
+        kv_split = []
+        for item in self.validated_layers:
+            if item.form is LayoutForm.KV_SPLIT:
+                kv_split.append(item)
+            elif item.layer.spec_kind != MAMBA_KIND:
+                block_major[item.layer.name] = item
+        probe = next(iter(kv_split), None)
+        if probe is not None:
+            probe_shape = tuple(kv_caches[probe.layer.name].shape)
+        elif block_major:
+            name, item = next(iter(block_major.items()))
+            probe_shape = (1, *physical_view(kv_caches[name], item).shape)
+        else:
             return views
-        name, item = next(iter(attention.items()))
-        first = physical_view(kv_caches[name], item)
-        if not compat.stock_splits_first_dimension(self, (1, *first.shape)):
+        splits = compat.stock_splits_first_dimension(self, probe_shape)
+        if kv_split and not splits:
+            layer = kv_split[0].layer
+            installed = compat.installed_vllm()
+            raise HybridLayoutError(
+                f"KV cache of layer '{layer.name}' is K/V-leading {tuple(layer.shape)}; the "
+                f"NIXL worker of {installed.distribution if installed else 'vLLM'}=="
+                f"{installed.version if installed else '?'} registers one block-major region "
+                "per layer, so its K and V halves would be transferred as the wrong blocks. "
+                "What to change: use an attention backend with a blocks-first KV-cache layout "
+                "(e.g. FLASH_ATTN, FLASHINFER) on this vLLM, or vLLM 0.24-0.25, whose NIXL "
+                "worker registers K and V as separate regions."
+            )
+        if not splits:
             return views
         return {
-            name: physical_view(kv_caches[name], attention[name]).unsqueeze(0)
-            if name in attention
+            name: physical_view(kv_caches[name], block_major[name]).unsqueeze(0)
+            if name in block_major
             else view
             for name, view in views.items()
         }

@@ -249,3 +249,36 @@ def test_handshake_carries_the_layout_fingerprint(setup: harness.ModelSetup, rat
         assert len(fingerprint.vllm_compat_hash) == 64  # vLLM's own hash, kept inside
     finally:
         worker.shutdown()
+
+
+def test_kv_leading_cache_moves_both_halves_or_is_refused(setup: harness.ModelSetup) -> None:
+    """K/V-leading ``[2, NB*r, ...]`` caches (ROCm attention's layout): on 0.24-0.25, whose
+    registration makes K and V separate regions, ours hands them over as they are and the
+    right K and V blocks arrive; later releases register one region per layer, so ours
+    refuses them with the reason instead of moving the wrong bytes."""
+    ratio = 2
+    prefill, decode = make_worker(setup, ratio), make_worker(setup, ratio)
+    try:
+        src = harness.allocate_caches(setup.kv_cache_config, "kv_split", ratio, seed=3)
+        dst = harness.allocate_caches(setup.kv_cache_config, "kv_split", ratio, seed=None)
+        if not stock_is_strict():
+            with pytest.raises(HybridLayoutError, match="is K/V-leading .* blocks-first"):
+                prefill.register_kv_caches(src.views)
+            return
+        prefill.register_kv_caches(src.views)
+        decode.register_kv_caches(dst.views)
+        assert {item.form.value for item in prefill.validated_layers} == {"kv_split"}
+        nb = setup.kv_cache_config.num_blocks
+        chosen = [0, 2, nb - 1]
+        harness.read_blocks(decode, prefill, chosen)
+        for name in sorted({n for n in src.views}):
+            for block in range(nb):
+                rows = slice(block * ratio, (block + 1) * ratio)
+                got, sent = dst.views[name][:, rows], src.views[name][:, rows]
+                if block in chosen:
+                    assert torch.equal(got, sent), (name, block)
+                else:
+                    assert not got.any(), (name, block)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -305,3 +305,30 @@ def test_second_layer_of_a_known_geometry_is_still_bound_checked() -> None:
     )
     with pytest.raises(HybridLayoutError, match="layers.2.*past the end of the tensor's storage"):
         check_layout([ok, past])
+
+
+# ---- K/V-leading caches ([2, NB*r, ...], e.g. ROCm attention) ---------------------------
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_kv_leading_halves_are_accepted_as_two_block_major_regions(r: int) -> None:
+    # PS = 1024 bytes per logical block: K and V halves of NB*r blocks of 512/r bytes each.
+    page_elements = 1024 // (2 * r) // 2
+    shape = (2, 8 * r, page_elements)
+    result = validate_layer(layer(shape, r=r))
+    assert result.form is LayoutForm.KV_SPLIT
+    assert result.block_stride == 1024 // (2 * r)
+    assert not result.needs_physical_view
+    assert result.extent == 8 * 1024  # both halves
+
+
+def test_kv_leading_halves_that_overlap_are_rejected() -> None:
+    # the V half starts half-way into the K half
+    text = rejection(layer((2, 8, 256), stride=(4 * 256, 256, 1), storage_nbytes=8192))
+    assert "as K/V-leading [2, NB*r, ...]: the V half starts 2048 bytes after the K half" in text
+
+
+def test_kv_leading_with_wrong_block_count_names_the_expected_count() -> None:
+    text = rejection(layer((2, 4, 256), r=2, storage_nbytes=4096))
+    assert "each half: first dimension is 4, expected 16" in text
+    assert "K/V-leading [2, 16, ...] with two dense halves of 16 blocks of 256 bytes" in text

@@ -128,7 +128,8 @@ def _backing_regions(
 def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | None) -> Caches:
     """Lay out the caches as vLLM does, with per-layer views in ``form``.
 
-    ``form`` is logical ``[NB, PS]``, physical ``[NB*r, PS/r]`` or flat bytes. Buffers hold
+    ``form`` is logical ``[NB, PS]``, physical ``[NB*r, PS/r]``, K/V-leading
+    ``[2, NB*r, PS/(2r)]`` or flat bytes. Buffers hold
     random bytes when ``seed`` is given, zeros otherwise.
     """
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -153,6 +154,8 @@ def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | Non
             views[name] = region.view(torch.float32).view(nb, page // 4)
         elif form == "physical":
             views[name] = region.view(torch.float32).view(nb * ratio, page // ratio // 4)
+        elif form == "kv_split":  # K half, then V half, each NB*r blocks of PS/(2r) bytes
+            views[name] = region.view(torch.float32).view(2, nb * ratio, page // ratio // 8)
         else:
             raise ValueError(form)
     return Caches(buffers, views, regions, max(pages))

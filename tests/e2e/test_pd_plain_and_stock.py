@@ -1,0 +1,97 @@
+"""A plain (non-hybrid) model through HybridNixlConnector, and the stock NixlConnector as the
+contrast, on whichever vLLM release is installed (the version matrix runs this module on
+each).
+
+On vLLM 0.24-0.25 the stock connector cannot start on vLLM's CPU build at all: its strict
+block-count check takes dim 0 of the CPU cache ``[NB, H, B, 2*D]`` for K/V and raises. Ours
+registers the same cache and serves P/D. On later releases both start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import PdPair, start_pair
+from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec, EngineStartError
+from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.pd import disaggregated_completion
+from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+STOCK_REFUSAL = "All kv cache tensors must have the same number of blocks"
+
+
+def strict_release() -> bool:
+    installed = compat.installed_vllm()
+    return installed is not None and installed.base_block_check is compat.BaseBlockCheck.STRICT
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec(arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def pair(plain_model: Path, tmp_path_factory) -> Iterator[PdPair]:
+    yield from start_pair(
+        plain_model,
+        tmp_path_factory.mktemp("plain-pd-logs"),
+        prefill={"connector": "HybridNixlConnector"},
+        decode={"connector": "HybridNixlConnector"},
+    )
+
+
+def test_plain_model_pd_equals_colocated_and_kv_came_over_nixl(pair: PdPair) -> None:
+    body = {
+        "model": pair.model,
+        "prompt": " ".join(["a plain model has one kv cache group"] * 20),
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    with httpx.Client(timeout=120.0) as client:
+        before = read_kv_transfer_counters(pair.decode.spec.url, client)
+        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+        moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
+        colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
+    routed = result.decode_response["choices"][0]["token_ids"]
+    assert routed == colocated["choices"][0]["token_ids"] and len(routed) == 16
+    prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
+    assert moved.external_prompt_tokens >= prompt_tokens - 1
+    assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
+
+
+def test_stock_connector_on_the_same_model(plain_model: Path, tmp_path: Path) -> None:
+    """Strict releases: the stock connector dies at start-up (the contrast). Others: it serves."""
+    spec = EngineSpec(
+        model=str(plain_model),
+        port=free_port(),
+        role="prefill",
+        side_channel_port=free_port(),
+        cpu_core=1,
+        connector="NixlConnector",
+        extra_args=["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"],
+    )
+    engine = EngineProcess(spec, tmp_path / "stock.log").start()
+    try:
+        if strict_release():
+            with pytest.raises(EngineStartError, match="exited with code"):
+                engine.wait_healthy(timeout_s=420)
+            deadline = time.monotonic() + 30
+            while STOCK_REFUSAL not in engine.log_text() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert STOCK_REFUSAL in engine.log_text()
+        else:
+            engine.wait_healthy(timeout_s=420)
+            assert httpx.get(f"{spec.url}/health", timeout=10).status_code == 200
+    finally:
+        engine.stop()
