@@ -274,7 +274,9 @@ def test_kv_leading_cache_moves_both_halves_or_is_refused(setup: harness.ModelSe
         for name in sorted({n for n in src.views}):
             for block in range(nb):
                 rows = slice(block * ratio, (block + 1) * ratio)
-                got, sent = dst.views[name][:, rows], src.views[name][:, rows]
+                # compare bits: random bytes seen as float32 include NaNs
+                got = dst.views[name][:, rows].view(torch.int32)
+                sent = src.views[name][:, rows].view(torch.int32)
                 if block in chosen:
                     assert torch.equal(got, sent), (name, block)
                 else:
