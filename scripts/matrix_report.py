@@ -17,24 +17,33 @@ def _release_key(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in release.split("."))
 
 
+def _outcome(case: ET.Element) -> int:
+    """0 passed, 1 failed, 2 skipped."""
+    tags = {child.tag for child in case}
+    if tags & {"failure", "error"}:
+        return 1
+    return 2 if "skipped" in tags else 0
+
+
 def collect(directory: Path) -> dict[str, dict[str, list[int]]]:
-    """release -> test file -> [passed, failed, skipped]."""
-    results: dict[str, dict[str, list[int]]] = {}
-    for junit in sorted(directory.glob("junit-*.xml")):
-        release = junit.stem.removeprefix("junit-")
-        per_file: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    """release -> test file -> [passed, failed, skipped].
+
+    ``junit-<release>.xml`` and any later ``junit-<release>.<rerun>.xml`` (a partial rerun,
+    ``MATRIX_RERUN=name``): per test case, the newest file wins.
+    """
+    cases: dict[str, dict[tuple[str, str], int]] = defaultdict(dict)
+    for junit in sorted(directory.glob("junit-*.xml"), key=lambda path: path.stat().st_mtime):
+        release = junit.name.removeprefix("junit-").removesuffix(".xml")
+        release = ".".join(release.split(".")[:3])
         for case in ET.parse(junit).getroot().iter("testcase"):
-            module = case.get("classname", "").rsplit(".", 1)[0] if "." in case.get(
-                "classname", ""
-            ) else case.get("classname", "")
-            name = module.replace(".", "/") + ".py"
-            outcome = {child.tag for child in case}
-            if outcome & {"failure", "error"}:
-                per_file[name][1] += 1
-            elif "skipped" in outcome:
-                per_file[name][2] += 1
-            else:
-                per_file[name][0] += 1
+            classname = case.get("classname", "")
+            cases[release][(classname, case.get("name", ""))] = _outcome(case)
+    results: dict[str, dict[str, list[int]]] = {}
+    for release, outcomes in cases.items():
+        per_file: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for (classname, _), outcome in outcomes.items():
+            module = classname.rsplit(".", 1)[0] if classname.count(".") > 2 else classname
+            per_file[module.replace(".", "/") + ".py"][outcome] += 1
         results[release] = dict(per_file)
     return results
 

@@ -4,6 +4,8 @@
 #
 #   scripts/test-matrix.sh                 every release in MATRIX_RELEASES
 #   MATRIX_RELEASES="0.27.1" scripts/test-matrix.sh
+#   MATRIX_RELEASES=0.25.1 MATRIX_TESTS=tests/e2e/x.py MATRIX_RERUN=x scripts/test-matrix.sh
+#                                          rerun some tests; their results replace the old ones
 #
 # 0.32.0 (the newest CPU build) runs in .venv, made by scripts/install.sh (the default test
 # command's environment); older releases get .venvs/vllm-<release> (scripts/matrix-env.sh).
@@ -24,7 +26,8 @@ for release in $RELEASES; do
   fi
   printf '\n==> vLLM %s: %s\n' "$release" "$TESTS" >&2
   # shellcheck disable=SC2086
-  "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/junit-$release.xml" $TESTS || status=1
+  junit="$out/junit-$release${MATRIX_RERUN:+.$MATRIX_RERUN}.xml"  # a rerun adds, not replaces
+  "$py" -m pytest -q -p no:cacheprovider --junitxml="$junit" $TESTS || status=1
 done
 "${PYTHON:-python3}" scripts/matrix_report.py "$out" README.md
 exit $status

@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 export HF_HUB_OFFLINE=1
-.venv/bin/ruff check vllm_hybrid_nixl tests bench
+.venv/bin/ruff check vllm_hybrid_nixl tests bench scripts
 .venv/bin/python -m pytest "$@"
