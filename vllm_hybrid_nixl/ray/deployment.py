@@ -46,6 +46,21 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def refuse_incompatible_pairs(pool: BackendPool) -> None:
+    """Raise when some prefill/decode pair has different KV-cache layout fingerprints."""
+    table = PairingTable(pool.all(), timeout_s=10.0)
+    table.refresh()
+    unknown = [b.label for b in pool.all() if not table.layout(b).known]
+    if unknown:
+        _say(f"warning: could not read the KV-cache layout of {', '.join(unknown)}")
+    problems = table.problems(pool.prefill, pool.decode)
+    if problems:
+        raise IncompatibleEnginesError(
+            "refusing to pair engines whose KV-cache layouts differ:\n" + "\n".join(problems)
+        )
+    _say("layouts: every prefill/decode pair has the same KV-cache layout fingerprint")
+
+
 class PDDeployment:
     """``start()`` brings up engines and router; ``stop()`` (or leaving ``with``) ends them."""
 
@@ -80,7 +95,7 @@ class PDDeployment:
             [e.info["side_channel"] for e in self.engines if e.role == "prefill"],
             [e.info["side_channel"] for e in self.engines if e.role == "decode"],
         )
-        self._check_pairing(pool)
+        refuse_incompatible_pairs(pool)
         self._warm_up_pairs()
         self.router = RouterServer(
             pool, self.config.router_host, self.config.router_port, self.router_settings
@@ -212,20 +227,6 @@ class PDDeployment:
                 last_report = elapsed
                 _say(f"  waiting for {', '.join(e.name for e in pending)} ({elapsed:.0f}s)")
             time.sleep(1.0)
-
-    def _check_pairing(self, pool: BackendPool) -> None:
-        """Refuse to serve when some prefill/decode pair has different KV-cache layouts."""
-        table = PairingTable(pool.all(), timeout_s=10.0)
-        table.refresh()
-        unknown = [b.label for b in pool.all() if not table.layout(b).known]
-        if unknown:
-            _say(f"warning: could not read the KV-cache layout of {', '.join(unknown)}")
-        problems = table.problems(pool.prefill, pool.decode)
-        if problems:
-            raise IncompatibleEnginesError(
-                "refusing to pair engines whose KV-cache layouts differ:\n" + "\n".join(problems)
-            )
-        _say("layouts: every prefill/decode pair has the same KV-cache layout fingerprint")
 
     def _warm_up_pairs(self) -> None:
         """One tiny P/D request per (prefill, decode) pair before the router opens.
