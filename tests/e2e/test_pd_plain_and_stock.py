@@ -39,6 +39,40 @@ def plain_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec(arch="llama"))
 
 
+def test_stock_connector_on_the_same_model(plain_model: Path, tmp_path: Path) -> None:
+    """Strict releases: the stock connector dies at start-up (the contrast). Others: it serves.
+
+    Runs first in the module, before the P/D pair is up: three engines on two cores start
+    slowly here (every NIXL agent's progress thread spins a core)."""
+    spec = EngineSpec(
+        model=str(plain_model),
+        port=free_port(),
+        role="prefill",
+        side_channel_port=free_port(),
+        cpu_core=1,
+        connector="NixlConnector",
+        extra_args=["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"],
+    )
+    engine = EngineProcess(spec, tmp_path / "stock.log").start()
+    try:
+        if strict_release():
+            # The engine core dies in registration; vLLM's API server may linger, so watch
+            # the log (and the process) rather than wait for an exit.
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if STOCK_REFUSAL in engine.log_text() or not engine.alive():
+                    break
+                time.sleep(2)
+            assert STOCK_REFUSAL in engine.log_text()
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"{spec.url}/health", timeout=5).raise_for_status()
+        else:
+            engine.wait_healthy(timeout_s=600)
+            assert httpx.get(f"{spec.url}/health", timeout=10).status_code == 200
+    finally:
+        engine.stop()
+
+
 @pytest.fixture(scope="module")
 def pair(plain_model: Path, tmp_path_factory) -> Iterator[PdPair]:
     yield from start_pair(
@@ -68,34 +102,3 @@ def test_plain_model_pd_equals_colocated_and_kv_came_over_nixl(pair: PdPair) -> 
     prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
     assert moved.external_prompt_tokens >= prompt_tokens - 1
     assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
-
-
-def test_stock_connector_on_the_same_model(plain_model: Path, tmp_path: Path) -> None:
-    """Strict releases: the stock connector dies at start-up (the contrast). Others: it serves."""
-    spec = EngineSpec(
-        model=str(plain_model),
-        port=free_port(),
-        role="prefill",
-        side_channel_port=free_port(),
-        cpu_core=1,
-        connector="NixlConnector",
-        extra_args=["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"],
-    )
-    engine = EngineProcess(spec, tmp_path / "stock.log").start()
-    try:
-        if strict_release():
-            # The engine core dies in registration; vLLM's API server may linger, so watch
-            # the log (and the process) rather than wait for an exit.
-            deadline = time.monotonic() + 420
-            while time.monotonic() < deadline:
-                if STOCK_REFUSAL in engine.log_text() or not engine.alive():
-                    break
-                time.sleep(2)
-            assert STOCK_REFUSAL in engine.log_text()
-            with pytest.raises(httpx.HTTPError):
-                httpx.get(f"{spec.url}/health", timeout=5).raise_for_status()
-        else:
-            engine.wait_healthy(timeout_s=420)
-            assert httpx.get(f"{spec.url}/health", timeout=10).status_code == 200
-    finally:
-        engine.stop()
