@@ -34,6 +34,7 @@ class RouterSettings:
     decode_read_timeout_s: float = 300.0  # longest silence while reading the decode answer
     health_timeout_s: float = 3.0
     max_connections: int = 256
+    keepalive_expiry_s: float = 2.0  # below the engines' 5 s keep-alive timeout
 
 
 class LegError(Exception):
@@ -94,6 +95,10 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
         limits = httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
+            # vLLM's server (uvicorn) closes idle connections after 5 s; httpx's default
+            # expiry is also 5 s, so a pooled connection could be reused just as the engine
+            # closes it (seen here: "engine unreachable: ReadError" on a prefill leg).
+            keepalive_expiry=settings.keepalive_expiry_s,
         )
         async with httpx.AsyncClient(limits=limits, timeout=settings.prefill_timeout_s) as client:
             state["client"] = client
