@@ -8,6 +8,7 @@ printed side by side and compared exactly as the engines compare them at handsha
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
@@ -81,24 +82,28 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
     from vllm.v1.worker.utils import select_common_block_size
 
     from vllm_hybrid_nixl.dry_run import kv_cache_setup
-    from vllm_hybrid_nixl.kv_cache_facts import fingerprint_of
+    from vllm_hybrid_nixl.kv_cache_facts import (
+        MAMBA_KINDS,
+        fingerprint_of,
+        representative_spec,
+        spec_kind,
+    )
 
     engine_args = engine_args if engine_args is not None else parse_engine_args(args)
     connector = _connector_of(engine_args)
     mode = "push" if connector in PUSH_CONNECTORS else "pull"
-    try:
-        setup_context = kv_cache_setup(engine_args)
-        setup = setup_context.__enter__()
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise CheckInputError(
-            f"{role}: vLLM could not build a config from these arguments: {exc}"
-        ) from exc
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            setup = stack.enter_context(kv_cache_setup(engine_args))
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise CheckInputError(
+                f"{role}: vLLM could not build a config from these arguments: {exc}"
+            ) from exc
         config = setup.vllm_config
         attention_sizes = [
             group.kv_cache_spec.block_size
             for group in setup.kv_cache_config.kv_cache_groups
-            if "mamba" not in type(group.kv_cache_spec).__name__.lower()
+            if spec_kind(representative_spec(group.kv_cache_spec)) not in MAMBA_KINDS
         ]
         # As vLLM's NIXL worker: one transfer block size for all attention groups.
         block_size = (
@@ -115,8 +120,6 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
             transfer_mode=mode,
             vllm_compat_hash=compat.stock_compat_hash(config, backend, mode),
         )
-    finally:
-        setup_context.__exit__(None, None, None)
     report = SideReport(role, args, connector, fingerprint)
     if connector in STOCK_CONNECTORS:
         report.warnings.append(

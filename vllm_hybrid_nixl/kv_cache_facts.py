@@ -27,7 +27,7 @@ def spec_kind(spec: Any) -> str:
     return type(spec).__name__
 
 
-def _representative(spec: Any) -> Any:
+def representative_spec(spec: Any) -> Any:
     """A group's spec, unwrapped when vLLM wraps several same-type specs in one."""
     per_layer = getattr(spec, "kv_cache_specs", None)
     if per_layer:
@@ -40,7 +40,7 @@ def group_fingerprints(
 ) -> tuple[GroupFingerprint, ...]:
     groups = []
     for group in kv_cache_config.kv_cache_groups:
-        spec = _representative(group.kv_cache_spec)
+        spec = representative_spec(group.kv_cache_spec)
         kind = spec_kind(spec)
         block_size = int(spec.block_size)
         if kind in MAMBA_KINDS or block_size % kernel_block_size:

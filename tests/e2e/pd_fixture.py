@@ -7,8 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.kv_metrics import KvTransferCounters, read_kv_transfer_counters
 from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.pd import disaggregated_completion
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(
@@ -48,3 +52,27 @@ def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Itera
     finally:
         for engine in engines:
             engine.stop()
+
+
+@dataclass
+class PdVersusColocated:
+    pd_choice: dict
+    colocated_choice: dict
+    prompt_tokens: int
+    moved: KvTransferCounters  # what the decode engine's /metrics counted for this request
+
+
+def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
+    """One request disaggregated through ``pair`` and the same one colocated on its prefill
+    engine, with the decode engine's KV-transfer counters for the P/D request."""
+    with httpx.Client(timeout=120.0) as client:
+        before = read_kv_transfer_counters(pair.decode.spec.url, client)
+        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+        moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
+        colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
+    return PdVersusColocated(
+        pd_choice=result.decode_response["choices"][0],
+        colocated_choice=colocated["choices"][0],
+        prompt_tokens=result.decode_response["usage"]["prompt_tokens"],
+        moved=moved,
+    )

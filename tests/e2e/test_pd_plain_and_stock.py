@@ -16,23 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import PdPair, start_pair
-from vllm_hybrid_nixl import compat
+from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.netutil import free_port
-from vllm_hybrid_nixl.pd import disaggregated_completion
+from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e
-
-STOCK_REFUSAL = "All kv cache tensors must have the same number of blocks"
-
-
-def strict_release() -> bool:
-    installed = compat.installed_vllm()
-    return installed is not None and installed.base_block_check is compat.BaseBlockCheck.STRICT
-
 
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory) -> Path:
@@ -55,7 +45,7 @@ def test_stock_connector_on_the_same_model(plain_model: Path, tmp_path: Path) ->
     )
     engine = EngineProcess(spec, tmp_path / "stock.log").start()
     try:
-        if strict_release():
+        if stock_is_strict():
             # The engine core dies in registration; vLLM's API server may linger, so watch
             # the log (and the process) rather than wait for an exit.
             deadline = time.monotonic() + 600
@@ -92,13 +82,8 @@ def test_plain_model_pd_equals_colocated_and_kv_came_over_nixl(pair: PdPair) -> 
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    with httpx.Client(timeout=120.0) as client:
-        before = read_kv_transfer_counters(pair.decode.spec.url, client)
-        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
-        moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
-        colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
-    routed = result.decode_response["choices"][0]["token_ids"]
-    assert routed == colocated["choices"][0]["token_ids"] and len(routed) == 16
-    prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
-    assert moved.external_prompt_tokens >= prompt_tokens - 1
-    assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
+    run = run_pd_and_colocated(pair, body)
+    routed = run.pd_choice["token_ids"]
+    assert routed == run.colocated_choice["token_ids"] and len(routed) == 16
+    assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
+    assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import WORKER_LINE, PdPair, start_pair
-from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
 
 pytestmark = pytest.mark.e2e
@@ -53,21 +52,15 @@ def test_pd_output_equals_colocated_and_kv_came_over_nixl(pair: PdPair, prompt: 
         "temperature": 0.0,
         "return_token_ids": True,
     }
-    with httpx.Client(timeout=120.0) as client:
-        before = read_kv_transfer_counters(pair.decode.spec.url, client)
-        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
-        moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
-        colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
-
-    pd_choice, co_choice = result.decode_response["choices"][0], colocated["choices"][0]
+    run = run_pd_and_colocated(pair, body)
+    pd_choice, co_choice = run.pd_choice, run.colocated_choice
     assert pd_choice["token_ids"] == co_choice["token_ids"]
     assert pd_choice["text"] == co_choice["text"]
     assert len(pd_choice["token_ids"]) == 20
-    prompt_tokens = result.decode_response["usage"]["prompt_tokens"]
     # The decode engine computed nothing of the prompt but (at most) its last token.
-    assert moved.external_prompt_tokens >= prompt_tokens - 1
-    assert moved.nixl_bytes > 0
-    assert moved.failed_transfers == 0
+    assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
+    assert run.moved.nixl_bytes > 0
+    assert run.moved.failed_transfers == 0
 
 
 def test_decode_leg_error_names_the_leg_and_engine(pair: PdPair) -> None:

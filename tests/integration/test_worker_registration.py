@@ -17,22 +17,11 @@ import torch
 
 from vllm_hybrid_nixl.layout import HybridLayoutError
 from vllm_hybrid_nixl.testing import worker_harness as harness
+from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
 
 pytestmark = pytest.mark.integration
 
 RATIO_TO_KERNEL = {1: None, 2: harness.BLOCK_SIZE // 2, 4: harness.BLOCK_SIZE // 4}
-STOCK_REFUSAL = "All kv cache tensors must have the same number of blocks"
-
-
-def stock_is_strict() -> bool:
-    """vLLM 0.24-0.25: the stock registration demands shape[0] == NB*r of every region, and
-    takes dim 0 of a non-5-D cache as K/V, so it cannot register vLLM's own CPU caches."""
-    from vllm_hybrid_nixl import compat
-
-    installed = compat.installed_vllm()
-    return installed is not None and installed.base_block_check is compat.BaseBlockCheck.STRICT
-
-
 def stock_worker_class() -> type:
     from vllm_hybrid_nixl import compat
 
