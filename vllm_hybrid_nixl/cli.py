@@ -38,7 +38,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     try:
-        print(build_tiny_model(args.out, spec))
+        print(build_tiny_model(args.out, spec, overwrite=args.overwrite))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -112,18 +112,55 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from vllm_hybrid_nixl.router import BackendPool, build_app
+    from vllm_hybrid_nixl.router import BackendPool
+    from vllm_hybrid_nixl.router.auth import EngineAccessError, check_engine_access
+    from vllm_hybrid_nixl.router.server import uvicorn_config
+    from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
     try:
         pool = BackendPool.from_urls(
             args.prefill, args.decode, args.prefill_side_channel, args.decode_side_channel
         )
-    except ValueError as exc:
+        settings = RouterSettings(
+            **{
+                name: getattr(args, name)
+                for name in RouterSettings.model_fields
+                if getattr(args, name, None) is not None
+            }
+        )
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(pool)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    keys = RouterKeys.from_env(args.api_key, args.engine_api_key)
+    if args.api_key or args.engine_api_key:
+        print(
+            "warning: keys given on the command line show in process listings; prefer the "
+            "VLLM_HYBRID_NIXL_API_KEY / VLLM_HYBRID_NIXL_ENGINE_API_KEY environment variables",
+            file=sys.stderr,
+        )
+    try:
+        unreachable = check_engine_access(pool.all(), keys, settings.health_timeout_s)
+    except EngineAccessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if unreachable:
+        print(f"warning: not reachable yet: {', '.join(unreachable)}", file=sys.stderr)
+    print(f"router: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn_config(pool, args.host, args.port, settings, keys)).run()
     return 0
+
+
+def _add_router_settings(parser: argparse.ArgumentParser) -> None:
+    """One flag per router setting (``--max-n``, ``--body-timeout-s`` ...), from the model."""
+    from vllm_hybrid_nixl.router.settings import RouterSettings
+
+    for name, info in RouterSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{info.description or name.replace('_', ' ')} (default: {info.default})"
+        if info.annotation is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=info.annotation, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,8 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
             f"in the order of --{role}; lets the router refuse pairs whose KV-cache layouts "
             "differ before any request",
         )
-    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)"
+    )
     router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--api-key",
+        help="key clients must send as `Authorization: Bearer KEY` (prefer the "
+        "VLLM_HYBRID_NIXL_API_KEY environment variable: flags show in process listings)",
+    )
+    router.add_argument(
+        "--engine-api-key",
+        help="key the engines were started with (their VLLM_API_KEY); prefer the "
+        "VLLM_HYBRID_NIXL_ENGINE_API_KEY environment variable",
+    )
+    _add_router_settings(router)
 
     check = sub.add_parser(
         "check",
@@ -213,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
     defaults = TinyModelSpec()
     tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch)
-    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--out", required=True, help="new or empty directory to write")
+    tiny.add_argument(
+        "--overwrite", action="store_true", help="replace the contents of a non-empty --out"
+    )
     tiny.add_argument("--layers", type=int, default=defaults.layers)
     tiny.add_argument("--hidden", type=int, default=defaults.hidden)
     tiny.add_argument("--sliding-window", type=int, default=defaults.sliding_window)

@@ -248,7 +248,8 @@ class HybridRegistrationMixin:
         """Raise (and log) when the peer's KV-cache layout or connector differs from ours."""
         worker: Any = self
         local_role, remote_role = (
-            ("decode", "prefill") if worker.kv_transfer_config.kv_role == "kv_consumer"
+            ("decode", "prefill")
+            if worker.kv_transfer_config.kv_role == "kv_consumer"
             else ("prefill", "decode")
         )
         where = f"{engine_id} ({host}:{port})"

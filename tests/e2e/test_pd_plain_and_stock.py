@@ -24,6 +24,7 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
+
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec(arch="llama"))

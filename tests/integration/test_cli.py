@@ -35,3 +35,45 @@ def test_vllm_cli_runs_with_the_cpu_build() -> None:
     out = run("vllm", "--version")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0.32.0+cpu"
+
+
+def test_make_tiny_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    out = run("make-tiny-model", "--out", str(tmp_path), "--layers", "2", "--hidden", "32")
+    assert out.returncode == 2
+    assert "is not empty" in out.stderr and "--overwrite" in out.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_router_refuses_engines_that_reject_its_key_before_serving(tmp_path: Path) -> None:
+    """The 401 comes from a real (if minimal) HTTP server standing in for a keyed engine:
+    the router's start-up check must stop with the fix in the message."""
+    import http.server
+    import threading
+
+    class Keyed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Keyed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        env_key = {"VLLM_HYBRID_NIXL_ENGINE_API_KEY": "sk-wrong-key"}
+        out = subprocess.run(
+            [str(SCRIPT), "router", "--prefill", url, "--decode", url, "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env_key},
+        )
+    finally:
+        server.shutdown()
+    assert out.returncode == 2, out.stderr
+    assert "answered 401 Unauthorized: the router's engine key was refused" in out.stderr
+    assert "VLLM_HYBRID_NIXL_ENGINE_API_KEY" in out.stderr
+    assert "sk-wrong-key" not in out.stderr + out.stdout

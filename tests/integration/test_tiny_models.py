@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_hybrid_nixl.tools.tiny_model import OutputDirError, TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -50,3 +50,33 @@ def test_each_arch_builds_in_vllm_with_its_kv_cache_groups(
         layers = sum(len(g.layer_names) for g in setup.kv_cache_config.kv_cache_groups)
     assert found == groups
     assert layers == 6
+
+
+SMALL = TinyModelSpec(layers=2, hidden=32, heads=2, kv_heads=1)
+
+
+def test_a_non_empty_directory_is_kept_unless_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(OutputDirError, match="not empty.*--overwrite"):
+        build_tiny_model(out, SMALL)
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]  # no staging left behind
+    build_tiny_model(out, SMALL, overwrite=True)
+    assert (out / "config.json").is_file() and not (out / "precious.txt").exists()
+
+
+def test_links_and_files_are_refused_and_nothing_is_written_through_them(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    with pytest.raises(OutputDirError, match="symbolic link"):
+        build_tiny_model(link, SMALL, overwrite=True)
+    assert not any(elsewhere.iterdir())
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(OutputDirError, match="not a directory"):
+        build_tiny_model(a_file, SMALL)
+    assert a_file.read_text() == "x"

@@ -22,6 +22,8 @@ from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
 pytestmark = pytest.mark.integration
 
 RATIO_TO_KERNEL = {1: None, 2: harness.BLOCK_SIZE // 2, 4: harness.BLOCK_SIZE // 4}
+
+
 def stock_worker_class() -> type:
     from vllm_hybrid_nixl import compat
 

@@ -8,6 +8,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vllm_hybrid_nixl.router.settings import (
+    API_KEY_ENV,
+    ENGINE_API_KEY_ENV,
+    VLLM_ENGINE_KEY_ENV,
+    RouterSettings,
+)
+
 ROUTABLE_CONNECTORS = ("HybridNixlConnector", "NixlConnector")
 
 
@@ -35,11 +42,27 @@ class PDConfig(BaseModel):
     prefill_resources: dict[str, float] = Field(default_factory=dict)
     decode_resources: dict[str, float] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="environment of the engines")
-    router_host: str = "127.0.0.1"
+    router_host: str = Field("127.0.0.1", description="address the router binds")
     router_port: int = Field(8000, ge=0, le=65535)
     address: str | None = None  # Ray cluster; None starts a local one bound to 127.0.0.1
     startup_timeout_s: float = Field(900.0, gt=0)
     log_dir: str | None = None
+    router: RouterSettings = Field(
+        default_factory=RouterSettings, description="router timeouts and input limits"
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _no_keys_in_files(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in (VLLM_ENGINE_KEY_ENV, API_KEY_ENV, ENGINE_API_KEY_ENV):
+            if name in value:
+                raise ValueError(
+                    f"{name} does not belong in a config file; export "
+                    f"{ENGINE_API_KEY_ENV} (the engines' key) and {API_KEY_ENV} (the "
+                    "router's key) where you run `serve`: the engines get theirs as "
+                    f"{VLLM_ENGINE_KEY_ENV} in their environment"
+                )
+        return value
 
     @field_validator("connector")
     @classmethod

@@ -16,10 +16,10 @@ from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
 from vllm_hybrid_nixl.placement import engine_cores
 from vllm_hybrid_nixl.ray.actors import EngineActor
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
-from vllm_hybrid_nixl.router.app import RouterSettings
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.settings import VLLM_ENGINE_KEY_ENV, RouterKeys, RouterSettings
 
 # Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
 # loopback address is kept, so a local cluster binds 127.0.0.2 and all traffic stays on lo.
@@ -64,9 +64,17 @@ def refuse_incompatible_pairs(pool: BackendPool) -> None:
 class PDDeployment:
     """``start()`` brings up engines and router; ``stop()`` (or leaving ``with``) ends them."""
 
-    def __init__(self, config: PDConfig, router_settings: RouterSettings | None = None) -> None:
+    def __init__(
+        self,
+        config: PDConfig,
+        router_settings: RouterSettings | None = None,
+        keys: RouterKeys | None = None,
+    ) -> None:
+        """``keys`` default to the environment (``RouterKeys.from_env``); the engine key is
+        handed to each engine as its ``VLLM_API_KEY``."""
         self.config = config
-        self.router_settings = router_settings
+        self.router_settings = router_settings or config.router
+        self.keys = keys if keys is not None else RouterKeys.from_env()
         self.engines: list[EngineHandle] = []
         self.router: RouterServer | None = None
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-")
@@ -98,7 +106,11 @@ class PDDeployment:
         refuse_incompatible_pairs(pool)
         self._warm_up_pairs()
         self.router = RouterServer(
-            pool, self.config.router_host, self.config.router_port, self.router_settings
+            pool,
+            self.config.router_host,
+            self.config.router_port,
+            self.router_settings,
+            self.keys,
         ).start()
         return self
 
@@ -159,6 +171,9 @@ class PDDeployment:
     def _start_engines(self) -> None:
         config = self.config
         kv_buffer_device = config.resolved_kv_buffer_device()
+        env = dict(config.env)
+        if self.keys.engine_api_key:
+            env[VLLM_ENGINE_KEY_ENV] = self.keys.engine_api_key
         prefill_cores, decode_cores = engine_cores(
             config.num_prefill, config.num_decode, os.cpu_count() or 1
         )
@@ -180,7 +195,7 @@ class PDDeployment:
                     config.connector,
                     kv_buffer_device,
                     config.serve_args(),
-                    config.env,
+                    env,
                     self.log_dir,
                     cores[i],
                 )
@@ -243,7 +258,9 @@ class PDDeployment:
         }
         prefills = [e for e in self.engines if e.role == "prefill"]
         decodes = [e for e in self.engines if e.role == "decode"]
-        with httpx.Client(timeout=self.config.startup_timeout_s) as client:
+        with httpx.Client(
+            timeout=self.config.startup_timeout_s, headers=self.keys.engine_headers()
+        ) as client:
             for p in prefills:
                 for d in decodes:
                     started = time.monotonic()

@@ -12,6 +12,7 @@ from vllm_hybrid_nixl.ray.deployment import (
     IncompatibleEnginesError,
     PDDeployment,
 )
+from vllm_hybrid_nixl.router.auth import EngineAccessError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,7 +44,7 @@ def serve_until_signalled(config: PDConfig) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, EngineNotReadyError, IncompatibleEnginesError) as exc:
+    except (ConfigError, EngineNotReadyError, IncompatibleEnginesError, EngineAccessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -22,19 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
+from vllm_hybrid_nixl.router.limits import BodyRejected, read_body
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+from vllm_hybrid_nixl.router.validation import request_problem
 
-
-@dataclass(frozen=True)
-class RouterSettings:
-    connect_timeout_s: float = 10.0
-    prefill_timeout_s: float = 300.0  # the whole prefill leg
-    decode_read_timeout_s: float = 300.0  # longest silence while reading the decode answer
-    health_timeout_s: float = 3.0
-    max_connections: int = 256
-    keepalive_expiry_s: float = 2.0  # below the engines' 5 s keep-alive timeout
+__all__ = ["RouterKeys", "RouterSettings", "build_app"]
 
 
 class LegError(Exception):
@@ -85,8 +80,12 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
-def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> FastAPI:
+def build_app(
+    pool: BackendPool, settings: RouterSettings | None = None, keys: RouterKeys | None = None
+) -> FastAPI:
+    """The router for ``pool``; ``keys`` default to none (no client or engine key)."""
     settings = settings or RouterSettings()
+    keys = keys or RouterKeys()
     metrics = RouterMetrics()
     state: dict[str, httpx.AsyncClient] = {}
 
@@ -100,11 +99,18 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
             # closes it (seen here: "engine unreachable: ReadError" on a prefill leg).
             keepalive_expiry=settings.keepalive_expiry_s,
         )
-        async with httpx.AsyncClient(limits=limits, timeout=settings.prefill_timeout_s) as client:
+        async with httpx.AsyncClient(
+            limits=limits, timeout=settings.prefill_timeout_s, headers=keys.engine_headers()
+        ) as client:
             state["client"] = client
             yield
 
     app = FastAPI(title="vllm-hybrid-nixl router", lifespan=lifespan)
+    if keys.api_key:
+        app.add_middleware(
+            BearerAuthMiddleware, api_key=keys.api_key, protect_probes=settings.protect_probes
+        )
+    models = ServedModels(pool, settings.health_timeout_s, keys.engine_headers())
     app.state.metrics = metrics
     app.state.pool = pool
     pairing = PairingTable(pool.all(), timeout_s=settings.health_timeout_s)
@@ -143,14 +149,24 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
     async def disaggregate(path: str, endpoint: str, request: Request) -> Response:
         started = time.perf_counter()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+            body = json.loads(raw)
+        except BodyRejected as exc:
             metrics.requests.labels(endpoint, "bad_request").inc()
-            return error_response(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
+            return error_response(exc.status, exc.message, "invalid_request_error")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             metrics.requests.labels(endpoint, "bad_request").inc()
             return error_response(
-                400, "request body must be a JSON object", "invalid_request_error"
+                400, f"request body is not valid JSON ({exc})", "invalid_request_error"
+            )
+        names, max_model_len = await models.facts(
+            body.get("model") if isinstance(body, dict) else None
+        )
+        problem = request_problem(endpoint, body, settings, names, max_model_len)
+        if problem is not None:
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(
+                problem.status, problem.message, problem.kind, param=problem.param
             )
         metrics.in_flight.inc()
         try:
@@ -216,7 +232,7 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
         return await disaggregate("/v1/chat/completions", "chat", request)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def list_models() -> Response:
         backend = pool.decode[0] if pool.decode else pool.prefill[0]
         try:
             response = await state["client"].get(
@@ -224,9 +240,11 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
             )
         except httpx.HTTPError as exc:
             return LegError("models", backend, 502, f"engine unreachable: {exc!r}").response()
-        return Response(
-            response.content, status_code=response.status_code, media_type="application/json"
-        )
+        if response.status_code != 200:
+            return LegError(
+                "models", backend, _client_status(response.status_code), _upstream_detail(response)
+            ).response()
+        return Response(response.content, status_code=200, media_type="application/json")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -272,3 +290,50 @@ def build_app(pool: BackendPool, settings: RouterSettings | None = None) -> Fast
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class ServedModels:
+    """Model names (and context length) the engines serve, learned from ``/v1/models``.
+
+    Asked again when a request names a model not seen yet (at most every ``refresh_s``), so
+    the router can answer 404 for an unknown model without forwarding the request."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        timeout_s: float,
+        headers: dict[str, str],
+        refresh_s: float = 10.0,
+    ) -> None:
+        self._pool, self._timeout_s, self._refresh_s = pool, timeout_s, refresh_s
+        self._headers = headers
+        self._names: frozenset[str] = frozenset()
+        self._max_model_len: int | None = None
+        self._fetched_at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def facts(self, wanted: str | None) -> tuple[frozenset[str], int | None]:
+        stale = time.monotonic() - self._fetched_at > self._refresh_s
+        if stale and (not self._names or (wanted is not None and wanted not in self._names)):
+            async with self._lock:
+                if time.monotonic() - self._fetched_at > self._refresh_s:
+                    await self._fetch()
+        return self._names, self._max_model_len
+
+    async def _fetch(self) -> None:
+        self._fetched_at = time.monotonic()
+        async with httpx.AsyncClient(timeout=self._timeout_s, headers=self._headers) as client:
+            for backend in [*self._pool.decode, *self._pool.prefill]:
+                try:
+                    response = await client.get(f"{backend.url}/v1/models")
+                    cards = response.json().get("data", []) if response.status_code == 200 else []
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    continue
+                names = frozenset(c["id"] for c in cards if isinstance(c, dict) and "id" in c)
+                if names:
+                    lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+                    self._names = names
+                    self._max_model_len = min(
+                        (n for n in lengths if isinstance(n, int)), default=None
+                    )
+                    return

@@ -13,8 +13,7 @@ class NoCompatiblePairError(LookupError):
 
     def __init__(self, reasons: list[str]) -> None:
         super().__init__(
-            "no prefill/decode pair may exchange KV (they would corrupt it):\n"
-            + "\n".join(reasons)
+            "no prefill/decode pair may exchange KV (they would corrupt it):\n" + "\n".join(reasons)
         )
         self.reasons = reasons
 

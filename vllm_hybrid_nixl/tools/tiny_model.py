@@ -113,13 +113,38 @@ def _config(spec: TinyModelSpec, vocab_size: int):
     return LlamaConfig(**common, torch_dtype="float32", **extra)
 
 
-def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+class OutputDirError(ValueError):
+    """The output directory cannot be written safely; the message says what to change."""
+
+
+def _checked_output_dir(out: Path, overwrite: bool) -> Path:
+    """``out`` as named (never through a symbolic link), refusing to replace a non-empty
+    directory unless ``overwrite``."""
+    if out.is_symlink():
+        raise OutputDirError(
+            f"{out} is a symbolic link (to {Path(out).readlink()}); name the real directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputDirError(
+            f"{out} exists and is not empty; choose an empty or new directory, or pass "
+            "--overwrite to replace its contents"
+        )
+    return out
+
+
+def build_tiny_model(
+    out: str | Path, spec: TinyModelSpec = TinyModelSpec(), overwrite: bool = False
+) -> Path:
     """Write config, random weights and tokenizer to ``out``; return the directory.
 
+    The model is written to a fresh directory beside ``out`` and renamed into place, so an
+    interrupted build leaves nothing half-written and no file is written through a link.
     The same spec (seed included) always writes the same bytes.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    import shutil
+    import tempfile
 
     if spec.arch not in ARCHES:
         raise ValueError(f"unknown arch {spec.arch!r}; choose one of {', '.join(ARCHES)}")
@@ -128,8 +153,24 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> 
             f"hidden ({spec.hidden}) must divide by heads ({spec.heads}) and heads by "
             f"kv_heads ({spec.kv_heads})"
         )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _checked_output_dir(Path(out), overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write_model(staging, spec)
+        if out.is_dir():
+            shutil.rmtree(out)  # rmtree does not follow links inside it
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
+
+
+def _write_model(out: Path, spec: TinyModelSpec) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     _build_tokenizer(spec, out)
     vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
     config = _config(spec, vocab_size)
@@ -141,4 +182,3 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> 
             param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
-    return out

@@ -1,0 +1,187 @@
+"""The router's own guards, on a real router (uvicorn on 127.0.0.1) whose engine URLs point
+at a port nobody listens on: everything checked here must be answered without an engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-router-test-0123456789"
+SETTINGS = RouterSettings(
+    max_body_bytes=2048, header_timeout_s=1.0, body_timeout_s=1.0, max_prompt_chars=500
+)
+
+
+def nowhere() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # free: nothing listens there
+
+
+@pytest.fixture(scope="module")
+def open_router() -> Iterator[RouterServer]:
+    router = RouterServer(BackendPool.from_urls([nowhere()], [nowhere()]), settings=SETTINGS)
+    yield router.start()
+    router.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_router() -> Iterator[RouterServer]:
+    router = RouterServer(
+        BackendPool.from_urls([nowhere()], [nowhere()]),
+        settings=SETTINGS.model_copy(update={"protect_probes": True}),
+        keys=RouterKeys(api_key=KEY),
+    )
+    yield router.start()
+    router.stop()
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "code"} <= set(body["error"]), body
+    assert body["error"]["code"] == response.status_code
+    return body["error"]
+
+
+def leg_count(router: RouterServer) -> float:
+    text = httpx.get(f"{router.url}/metrics", headers=auth(KEY)).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("router_leg_requests_total")
+    )
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "words"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"\xff\xfe", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"prompt": "p", "max_tokens": 0}', 400, "max_tokens must be at least 1"),
+        (b'{"prompt": "p", "n": 4}', 400, "max_n"),
+        (b'{"prompt": "' + b"a" * 600 + b'"}', 413, "600 characters"),
+        (b'{"prompt": "' + b"a" * 3000 + b'"}', 413, "at most 2048"),
+    ],
+)
+def test_bad_requests_get_openai_errors_without_touching_an_engine(
+    open_router: RouterServer, content: bytes, status: int, words: str
+) -> None:
+    before = leg_count(open_router)
+    response = httpx.post(
+        f"{open_router.url}/v1/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error"
+    assert words in error["message"]
+    assert leg_count(open_router) == before  # no leg was sent
+
+
+def test_oversized_chunked_body_is_cut_off_at_the_limit(open_router: RouterServer) -> None:
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the router must count
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}'
+
+    response = httpx.post(f"{open_router.url}/v1/completions", content=chunks())
+    assert response.status_code == 413
+    assert "exceeds 2048 bytes" in error_of(response)["message"]
+
+
+def test_a_body_that_trickles_in_gets_408(open_router: RouterServer) -> None:
+    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
+        started = time.monotonic()
+        reply = sock.recv(4096)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"did not arrive within 1 s" in reply
+    assert waited < 5
+
+
+def test_headers_that_trickle_in_get_the_connection_closed(open_router: RouterServer) -> None:
+    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed_after = None
+        for _ in range(8):  # one header line every 0.5 s, never the blank line
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+                if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                closed_after = time.monotonic() - started
+                break
+            time.sleep(0.5)
+    assert closed_after is not None, "the router kept a slow-loris connection open for 4 s"
+    assert closed_after < 3.0
+
+
+def test_a_kept_alive_connection_serves_several_requests(open_router: RouterServer) -> None:
+    """The header deadline re-arms after each response without cutting healthy clients."""
+    with httpx.Client(base_url=open_router.url) as client:
+        for _ in range(3):
+            assert client.post("/v1/completions", content=b"[]").status_code == 400
+            time.sleep(0.4)
+
+
+@pytest.mark.parametrize(
+    ("headers", "words"),
+    [({}, "missing API key"), (auth("wrong"), "invalid API key"), (auth(KEY + "x"), "invalid")],
+)
+def test_v1_routes_need_the_key(keyed_router: RouterServer, headers, words) -> None:
+    for method, path in (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+    ):
+        response = httpx.request(method, f"{keyed_router.url}{path}", headers=headers, json={})
+        assert response.status_code == 401, (path, response.text)
+        error = error_of(response)
+        assert error["type"] == "authentication_error" and words in error["message"]
+        assert KEY not in response.text
+
+
+def test_right_key_reaches_the_handler(keyed_router: RouterServer) -> None:
+    response = httpx.post(f"{keyed_router.url}/v1/completions", headers=auth(KEY), json=[])
+    assert response.status_code == 400  # past the key check, stopped by validation
+    assert error_of(response)["type"] == "invalid_request_error"
+
+
+def test_probes_are_open_by_default_and_protected_on_request(
+    open_router: RouterServer, keyed_router: RouterServer
+) -> None:
+    assert httpx.get(f"{open_router.url}/metrics").status_code == 200
+    assert httpx.get(f"{open_router.url}/health").status_code == 503  # engines unreachable
+    assert httpx.get(f"{keyed_router.url}/metrics").status_code == 401
+    assert httpx.get(f"{keyed_router.url}/health").status_code == 401
+    assert httpx.get(f"{keyed_router.url}/metrics", headers=auth(KEY)).status_code == 200
+
+
+def test_keys_stay_out_of_reprs() -> None:
+    keys = RouterKeys(api_key=KEY, engine_api_key="sk-engine-secret")
+    assert KEY not in repr(keys) and "sk-engine-secret" not in repr(keys)

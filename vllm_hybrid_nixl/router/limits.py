@@ -1,0 +1,104 @@
+"""Limits on what a client may send and how slowly: body size, body time, header time."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+
+
+class BodyRejected(Exception):
+    """The body was too large or too slow; ``status`` is 413 or 408."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The request body, refused early when its declared or actual size exceeds
+    ``max_bytes`` or when it has not fully arrived within ``timeout_s``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyRejected(
+            413, f"request body is {declared} bytes; this router accepts at most {max_bytes}"
+        )
+
+    async def collect() -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyRejected(
+                    413, f"request body exceeds {max_bytes} bytes, the most this router accepts"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout_s)
+    except TimeoutError:
+        raise BodyRejected(
+            408, f"request body did not arrive within {timeout_s:g} s; send it faster"
+        ) from None
+
+
+def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
+    """A uvicorn HTTP protocol class that closes a connection whose next request's headers
+    do not arrive within ``header_timeout_s`` (slow-loris clients).
+
+    uvicorn bounds idle keep-alive connections but not a client dribbling header bytes; the
+    deadline is armed when the connection opens and after each response, and disarmed as
+    soon as a request's headers are complete (``cycle`` is replaced).
+    """
+
+    class HeaderDeadlineProtocol(base):  # type: ignore[misc, valid-type]
+        def _arm(self) -> None:
+            self._disarm()
+            self._cycle_when_armed = self.cycle
+            self._deadline = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            deadline = getattr(self, "_deadline", None)
+            if deadline is not None:
+                deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.cycle is self._cycle_when_armed and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if getattr(self, "_deadline", None) is not None and (
+                self.cycle is not self._cycle_when_armed
+            ):
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    HeaderDeadlineProtocol.__name__ = f"HeaderDeadline{base.__name__}"
+    return HeaderDeadlineProtocol
+
+
+def uvicorn_http_protocol(header_timeout_s: float) -> type:
+    """uvicorn's fastest available HTTP protocol, with the header deadline."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools not installed
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return header_deadline_protocol(base, header_timeout_s)

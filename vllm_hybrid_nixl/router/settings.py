@@ -1,0 +1,75 @@
+"""The router's settings: timeouts, input limits (config files, flags) and keys (environment).
+
+Keys live apart from the other settings on purpose: settings may come from a YAML file or
+the command line, keys only from the environment (or an explicit flag), so they never land
+in a config file, a process listing or a ``repr``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Environment variables the router reads its keys from.
+API_KEY_ENV = "VLLM_HYBRID_NIXL_API_KEY"  # clients must send it as `Authorization: Bearer`
+ENGINE_API_KEY_ENV = "VLLM_HYBRID_NIXL_ENGINE_API_KEY"  # what the router sends to engines
+# What `vllm serve` reads its own key from; our launchers set it for the engines they start.
+VLLM_ENGINE_KEY_ENV = "VLLM_API_KEY"
+
+
+class RouterSettings(BaseModel):
+    """Timeouts and input limits of the router (everything but the keys)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect_timeout_s: float = Field(10.0, gt=0)
+    prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
+    decode_read_timeout_s: float = Field(
+        300.0, gt=0, description="longest silence while reading the decode answer"
+    )
+    health_timeout_s: float = Field(3.0, gt=0)
+    max_connections: int = Field(256, ge=1)
+    # Below the engines' 5 s keep-alive timeout (vLLM's uvicorn), so a pooled connection is
+    # never reused just as the engine closes it.
+    keepalive_expiry_s: float = Field(2.0, ge=0)
+    protect_probes: bool = Field(
+        False, description="require the API key on /health and /metrics too"
+    )
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    max_prompt_chars: int = Field(
+        262_144, ge=1, description="longest text prompt (sum over a batch or chat messages)"
+    )
+    max_prompt_tokens: int = Field(131_072, ge=1, description="longest token-id prompt")
+    max_tokens: int = Field(32_768, ge=1, description="largest max_tokens a request may ask")
+    max_n: int = Field(
+        1, ge=1, description="largest n; n > 1 through P/D is not verified, raise at your risk"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a client must send its request headers within this"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="... and its body within this")
+
+
+@dataclass(frozen=True)
+class RouterKeys:
+    """``api_key``: what clients must present; ``engine_api_key``: what the router presents
+    to the engines (their ``vllm serve`` key). ``None`` disables each check."""
+
+    api_key: str | None = field(default=None, repr=False)
+    engine_api_key: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, api_key: str | None = None, engine_api_key: str | None = None) -> RouterKeys:
+        """Explicit values win; otherwise the environment; empty strings mean no key."""
+        return cls(
+            api_key or os.environ.get(API_KEY_ENV) or None,
+            engine_api_key or os.environ.get(ENGINE_API_KEY_ENV) or None,
+        )
+
+    def engine_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.engine_api_key}"} if self.engine_api_key else {}
+
+    def secrets(self) -> list[str]:
+        return [key for key in (self.api_key, self.engine_api_key) if key]
