@@ -1,0 +1,222 @@
+"""Keys and limits across the whole stack: real keyed ``vllm serve`` engines (prefill and
+decode, NIXL between them), the router started as users start it (the CLI, keys in its
+environment), clients on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import PdPair, start_pair
+from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.router.auth import EngineAccessError
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.settings import RouterKeys
+
+pytestmark = pytest.mark.e2e
+
+ENGINE_KEY = "sk-engine-7f3a9c1e5b"
+ROUTER_KEY = "sk-router-2d8e4b6a0c"
+SCRIPT = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
+PROMPT = " ".join(["the router checks keys before any engine sees a request"] * 4)
+
+
+@dataclass
+class Stack:
+    pair: PdPair
+    router_url: str
+    router_log: Path
+    router_pid: int
+    model: str
+
+
+def side_channel(engine) -> str:
+    return f"{engine.spec.host}:{engine.spec.side_channel_port}"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_hybrid_model, tmp_path_factory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("security-logs")
+    keyed = {"env": {"VLLM_API_KEY": ENGINE_KEY}}
+    for pair in start_pair(tiny_hybrid_model, logs, dict(keyed), dict(keyed)):
+        port = free_port()
+        router_log = logs / "router.log"
+        env = {
+            **os.environ,
+            "VLLM_HYBRID_NIXL_API_KEY": ROUTER_KEY,
+            "VLLM_HYBRID_NIXL_ENGINE_API_KEY": ENGINE_KEY,
+        }
+        with open(router_log, "wb") as log:
+            router = subprocess.Popen(
+                [
+                    SCRIPT,
+                    "router",
+                    "--port",
+                    str(port),
+                    "--prefill",
+                    pair.prefill.spec.url,
+                    "--decode",
+                    pair.decode.spec.url,
+                    "--prefill-side-channel",
+                    side_channel(pair.prefill),
+                    "--decode-side-channel",
+                    side_channel(pair.decode),
+                    "--max-prompt-chars",
+                    "2000",
+                    "--max-body-bytes",
+                    "65536",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert router.poll() is None, router_log.read_text()
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            else:
+                pytest.fail("router did not become healthy:\n" + router_log.read_text())
+            yield Stack(pair, url, router_log, router.pid, str(tiny_hybrid_model))
+        finally:
+            router.terminate()
+            try:
+                router.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+
+
+def engine_posts(url: str) -> float:
+    """POSTs to the OpenAI routes the engine counted (any status), from its /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith("http_requests_total{")
+            and 'method="POST"' in line
+            and ('handler="/v1/completions"' in line or 'handler="/v1/chat/completions"' in line)
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_engines_refuse_requests_without_their_key(stack: Stack) -> None:
+    """The premise: the engines really are keyed."""
+    body = {"model": stack.model, "prompt": "x", "max_tokens": 1}
+    assert httpx.post(f"{stack.pair.prefill.spec.url}/v1/completions", json=body).status_code == 401
+
+
+@pytest.mark.parametrize("headers", [{}, bearer("sk-wrong"), bearer(ENGINE_KEY)])
+def test_router_answers_401_without_its_key(stack: Stack, headers) -> None:
+    before = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4}
+    response = httpx.post(f"{stack.router_url}/v1/completions", json=body, headers=headers)
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == 401
+    assert [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)] == before
+
+
+def test_router_serves_with_its_key_and_uses_the_engine_key(stack: Stack) -> None:
+    moved_before = read_kv_transfer_counters(stack.pair.decode.spec.url)
+    posts_before = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    response = httpx.post(
+        f"{stack.router_url}/v1/completions", json=body, headers=bearer(ROUTER_KEY), timeout=120
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+    moved = read_kv_transfer_counters(stack.pair.decode.spec.url) - moved_before
+    assert moved.nixl_bytes > 0  # the decode engine read the prompt's KV over NIXL
+    posts = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    # one leg each: the counter the "no engine contacted" tests rely on does count
+    assert [a - b for a, b in zip(posts, posts_before, strict=True)] == [1.0, 1.0]
+    chat = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(
+        f"{stack.router_url}/v1/chat/completions",
+        json=chat,
+        headers=bearer(ROUTER_KEY),
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"prompt": "p" * 70000, "max_tokens": 1}, 413, "at most 65536"),
+        ({"prompt": "p" * 2001, "max_tokens": 1}, 413, "2001 characters"),
+        ({"prompt": "p", "n": 2}, 400, "max_n"),
+        ({"prompt": "p", "max_tokens": 0}, 400, "at least 1"),
+        ({"prompt": "p", "max_tokens": 5000}, 400, "context length"),  # max-model-len 1024
+        ({"prompt": "p", "model": "gpt-unknown"}, 404, "is not served here"),
+        ({"prompt": "p", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "router"),
+    ],
+)
+def test_limits_are_enforced_before_any_engine_is_contacted(
+    stack: Stack, body: dict, status: int, words: str
+) -> None:
+    body = {"model": stack.model, **body}
+    before = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    response = httpx.post(
+        f"{stack.router_url}/v1/completions", json=body, headers=bearer(ROUTER_KEY), timeout=60
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["code"] == status
+    assert [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)] == before
+
+
+def test_a_router_with_the_wrong_engine_key_stops_at_start_up(stack: Stack) -> None:
+    pool = BackendPool.from_urls([stack.pair.prefill.spec.url], [stack.pair.decode.spec.url])
+    for keys, words in (
+        (RouterKeys(engine_api_key="sk-not-it"), "the router's engine key was refused"),
+        (RouterKeys(), "they require an API key and the router has none"),
+    ):
+        router = RouterServer(pool, keys=keys)
+        with pytest.raises(EngineAccessError, match=words) as caught:
+            router.start()
+        assert "VLLM_HYBRID_NIXL_ENGINE_API_KEY" in str(caught.value)
+        assert "sk-not-it" not in str(caught.value)
+        router.stop()
+
+
+def test_keys_appear_in_no_log_health_or_process_listing(stack: Stack) -> None:
+    """Runs last in the module: everything above has been logged by then."""
+    health = httpx.get(f"{stack.router_url}/health", timeout=30)
+    assert health.status_code == 200
+    texts = {
+        "router /health": health.text,
+        "router /metrics": httpx.get(f"{stack.router_url}/metrics").text,
+        "router log": stack.router_log.read_text(errors="replace"),
+        "prefill log": stack.pair.prefill.log_text(),
+        "decode log": stack.pair.decode.log_text(),
+    }
+    for pid in (stack.router_pid, stack.pair.prefill.pid, stack.pair.decode.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        texts[f"argv of pid {pid}"] = cmdline.decode(errors="replace")
+    assert len(texts["prefill log"]) > 1000  # the logs are real, not empty
+    for where, text in texts.items():
+        for key in (ENGINE_KEY, ROUTER_KEY):
+            assert key not in text, f"{key[:6]}... found in {where}"
