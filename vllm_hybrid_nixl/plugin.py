@@ -26,3 +26,6 @@ def register() -> None:
             continue
         KVConnectorFactory.register_connector(name, CONNECTOR_MODULE, class_name)
         logger.debug("vllm-hybrid-nixl registered KV connector %s", name)
+    from vllm_hybrid_nixl.ray_serve import register_if_in_ray_serve
+
+    register_if_in_ray_serve()  # Ray Serve LLM's backend registry, inside Serve replicas

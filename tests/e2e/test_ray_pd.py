@@ -8,6 +8,7 @@ resources; every address the engines advertise is the IP their node registered w
 aliased loopback, not of the placement under test). Three engines on two cores: the prefill
 engines share one core and the decode engine has the other (``placement.engine_cores``);
 with the decode engine sharing a core with a prefill engine, transfers stalled for minutes.
+The deployment runs with keys: the router's for clients, the engines' for the router.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from ray.cluster_utils import Cluster
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.ray.config import make_config
 from vllm_hybrid_nixl.ray.deployment import PDDeployment
+from vllm_hybrid_nixl.router.settings import RouterKeys
 
 pytestmark = pytest.mark.e2e
 
 NODE_IP = "127.0.0.2"
+KEYS = RouterKeys(api_key="sk-ray-router-5e1f", engine_api_key="sk-ray-engines-9b7c")
+ROUTER = {"Authorization": f"Bearer {KEYS.api_key}"}
+ENGINE = KEYS.engine_headers()
 WORDS = "a sliding window layer and a full attention layer share one kv cache"
 # Some shorter and some longer than the 64-token sliding window and 64-token blocks.
 PROMPTS = [
@@ -59,7 +64,7 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         startup_timeout_s=600,
     )
     try:
-        with PDDeployment(config) as running:
+        with PDDeployment(config, keys=KEYS) as running:
             yield running
     finally:
         if ray.is_initialized():
@@ -91,7 +96,7 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
 
 
 def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
-    health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()
+    health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()  # open probe
     assert health["status"] == "ok"
     assert sorted(e["name"] for e in health["engines"]) == ["decode-0", "prefill-0", "prefill-1"]
     assert all(e["up"] for e in health["engines"])
@@ -116,8 +121,12 @@ def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(
                 "ignore_eos": True,
                 "return_token_ids": True,
             }
-            routed = client.post(f"{deployment.router_url}/v1/completions", json=body)
-            colocated = client.post(f"{colocated_url(deployment)}/v1/completions", json=body)
+            routed = client.post(
+                f"{deployment.router_url}/v1/completions", json=body, headers=ROUTER
+            )
+            colocated = client.post(
+                f"{colocated_url(deployment)}/v1/completions", json=body, headers=ENGINE
+            )
             assert routed.status_code == 200, routed.text
             assert (
                 routed.json()["choices"][0]["token_ids"]
@@ -135,7 +144,9 @@ def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(
 
 def stream_text(client: httpx.Client, url: str, path: str, body: dict) -> str:
     pieces = []
-    with client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as response:
+    with client.stream(
+        "POST", f"{url}{path}", json={**body, "stream": True}, headers=ROUTER
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -163,28 +174,43 @@ def test_completions_and_chat_streamed_and_not_equal_colocated(
         path = "/v1/completions"
         body["prompt"] = f"{endpoint} {stream} {WORDS * 3}"
     with httpx.Client(timeout=300.0) as client:
-        expected_response = client.post(f"{colocated_url(deployment)}{path}", json=body).json()
+        expected_response = client.post(
+            f"{colocated_url(deployment)}{path}", json=body, headers=ENGINE
+        ).json()
         choice = expected_response["choices"][0]
         expected = choice.get("text") or choice["message"]["content"]
         if stream:
             got = stream_text(client, deployment.router_url, path, body)
         else:
-            routed = client.post(f"{deployment.router_url}{path}", json=body).json()
+            routed = client.post(f"{deployment.router_url}{path}", json=body, headers=ROUTER).json()
             got = routed["choices"][0].get("text") or routed["choices"][0]["message"]["content"]
     assert got == expected
     assert got  # 12 tokens were generated
 
 
-def test_a_failing_leg_is_reported_with_leg_and_engine(deployment: PDDeployment) -> None:
-    body = {"model": "not-served", "prompt": "hello", "max_tokens": 2}
-    response = httpx.post(f"{deployment.router_url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 404
+def test_a_failing_leg_is_reported_with_leg_and_engine(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    """A request only the engine can judge (the router does not check sampling values)."""
+    body = {"model": str(tiny_hybrid_model), "prompt": "hello", "max_tokens": 2, "top_p": 7.0}
+    response = httpx.post(
+        f"{deployment.router_url}/v1/completions", json=body, timeout=60, headers=ROUTER
+    )
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["leg"] == "prefill" and error["engine"] in deployment.urls("prefill")
     assert error["message"].startswith("prefill leg failed on engine prefill-")
-    assert "not-served" in error["message"]
+    assert "top_p" in error["message"]
+
+
+def test_engines_and_router_require_their_keys(deployment: PDDeployment, tiny_hybrid_model):
+    body = {"model": str(tiny_hybrid_model), "prompt": "hello", "max_tokens": 1}
+    for url in deployment.urls("prefill") + deployment.urls("decode"):
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 401
+    response = httpx.post(f"{deployment.router_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 401
 
 
 def test_models_lists_the_served_model(deployment: PDDeployment, tiny_hybrid_model) -> None:
-    models = httpx.get(f"{deployment.router_url}/v1/models", timeout=30).json()
+    models = httpx.get(f"{deployment.router_url}/v1/models", timeout=30, headers=ROUTER).json()
     assert [m["id"] for m in models["data"]] == [str(tiny_hybrid_model)]

@@ -81,3 +81,25 @@ def test_two_by_two_config_places_roles_by_resource(model_dir: Path) -> None:
 def test_missing_config_file_is_reported(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_router_limits_come_from_the_config_and_typos_are_refused(model_dir: Path) -> None:
+    config = make_config(model=str(model_dir), router={"max_n": 2, "body_timeout_s": 5})
+    assert (config.router.max_n, config.router.body_timeout_s) == (2, 5.0)
+    assert make_config(model=str(model_dir)).router.max_n == 1
+    with pytest.raises(ConfigError, match="router.max_nn: Extra inputs are not permitted"):
+        make_config(model=str(model_dir), router={"max_nn": 2})
+
+
+@pytest.mark.parametrize(
+    "name", ["VLLM_API_KEY", "VLLM_HYBRID_NIXL_API_KEY", "VLLM_HYBRID_NIXL_ENGINE_API_KEY"]
+)
+def test_keys_in_a_config_file_are_refused_with_where_they_belong(
+    model_dir: Path, name: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        make_config(model=str(model_dir), env={name: "sk-123456"})
+    message = str(caught.value)
+    assert f"{name} does not belong in a config file" in message
+    assert "export VLLM_HYBRID_NIXL_ENGINE_API_KEY" in message
+    assert "sk-123456" not in message

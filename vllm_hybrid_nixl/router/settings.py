@@ -24,20 +24,22 @@ class RouterSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, description="to open a connection to an engine")
     prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
     decode_read_timeout_s: float = Field(
         300.0, gt=0, description="longest silence while reading the decode answer"
     )
-    health_timeout_s: float = Field(3.0, gt=0)
-    max_connections: int = Field(256, ge=1)
+    health_timeout_s: float = Field(3.0, gt=0, description="for /health and /v1/models probes")
+    max_connections: int = Field(256, ge=1, description="pooled connections to the engines")
     # Below the engines' 5 s keep-alive timeout (vLLM's uvicorn), so a pooled connection is
     # never reused just as the engine closes it.
-    keepalive_expiry_s: float = Field(2.0, ge=0)
+    keepalive_expiry_s: float = Field(
+        2.0, ge=0, description="drop pooled engine connections idle this long"
+    )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
     )
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest request body")
     max_prompt_chars: int = Field(
         262_144, ge=1, description="longest text prompt (sum over a batch or chat messages)"
     )
