@@ -1,10 +1,14 @@
-# vllm-hybrid-nixl on top of the official vLLM OpenAI image (GPU). First version: the image
-# cannot be built on our CI machines (no Docker engine, no registry); everything it runs is
-# the same install script the README and CI use.
+# vllm-hybrid-nixl on the official vLLM OpenAI image (GPU). One image for every role:
 #
 #   docker build -t vllm-hybrid-nixl .
-#   docker run --gpus all --ipc=host -p 8100:8100 -e VLLM_NIXL_SIDE_CHANNEL_HOST=<node ip> \
-#     vllm-hybrid-nixl MODEL --config /opt/vllm-hybrid-nixl/configs/prefill-gpu.yaml
+#   docker run --gpus all --ipc=host -p 8100:8100 vllm-hybrid-nixl --model M --port 8100 \
+#     --kv-transfer-config '{"kv_connector":"HybridNixlConnector","kv_role":"kv_producer"}'
+#   docker run -p 8000:8000 vllm-hybrid-nixl router --port 8000 --prefill http://P:8100 ...
+#
+# Engines and router bind the container's own address and advertise the NIXL side channel
+# on it (vllm_hybrid_nixl/container.py). The install step is scripts/install.sh, the script
+# the README and CI use. The build stops if the image's vLLM is outside our supported range
+# or its NIXL is older than 1.5 (`container check-image`).
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE}
 
@@ -14,8 +18,13 @@ COPY vllm_hybrid_nixl ./vllm_hybrid_nixl
 COPY scripts ./scripts
 COPY configs ./configs
 
-# Installs into the image's own Python; the image's vLLM satisfies the [cuda] extra.
-RUN VENV=system VLLM_FLAVOR=cuda PYTHON=python3 bash scripts/install.sh
+# Into the image's own Python; its vLLM satisfies the [cuda] extra.
+RUN VENV=system VLLM_FLAVOR=cuda PYTHON=python3 PIP_NO_CACHE_DIR=1 bash scripts/install.sh \
+    && python3 -m vllm_hybrid_nixl.container check-image
 
-# The base image's entrypoint (`vllm serve`) loads our plugin by its entry point, so
-# --kv-transfer-config '{"kv_connector":"HybridNixlConnector",...}' works unchanged.
+ENV HF_HUB_OFFLINE=0 \
+    VLLM_NIXL_SIDE_CHANNEL_PORT=5600
+EXPOSE 8000 8100 5600
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python3", "-m", "vllm_hybrid_nixl.container", "health", "8100"]
+ENTRYPOINT ["python3", "-m", "vllm_hybrid_nixl.container"]

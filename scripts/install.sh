@@ -2,7 +2,7 @@
 # Set up .venv with vllm-hybrid-nixl and everything it needs, on a fresh machine.
 #
 #   scripts/install.sh            package + vLLM CPU build + tiny-model tools
-#   scripts/install.sh --test     ... + test tools
+#   scripts/install.sh --test     ... + test tools and Ray Serve LLM's requirements
 #
 # Settings (environment variables):
 #   VENV              virtual environment to create/use, or "system" to install into
@@ -22,7 +22,7 @@ VLLM_FLAVOR=${VLLM_FLAVOR:-cpu}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 extras="tiny"
-[[ "${1:-}" == "--test" ]] && extras="tiny,test"
+[[ "${1:-}" == "--test" ]] && extras="tiny,test,serve"
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check vllm_hybrid_nixl tests bench scripts
+.venv/bin/hadolint Dockerfile Dockerfile.cpu
 .venv/bin/python -m pytest "$@"

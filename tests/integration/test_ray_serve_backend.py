@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytest.importorskip("ray.serve.llm", reason="ray[serve] and Ray LLM's requirements")
 pytestmark = pytest.mark.integration
 
 SERVE_CONFIG = Path(__file__).parents[2] / "configs" / "ray" / "serve_pd.yaml"
