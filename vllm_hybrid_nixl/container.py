@@ -38,9 +38,7 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(f"{flag}=") for a in args)
 
 
-def plan(
-    args: list[str], env: Mapping[str, str], address: str
-) -> tuple[list[str], dict[str, str]]:
+def plan(args: list[str], env: Mapping[str, str], address: str) -> tuple[list[str], dict[str, str]]:
     """(argv to exec, environment) for the container's arguments."""
     env = dict(env)
     if args and args[0] in OUR_COMMANDS:

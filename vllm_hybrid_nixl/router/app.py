@@ -1,10 +1,10 @@
 """The router's HTTP application (FastAPI + one pooled httpx client).
 
-Each completion or chat request becomes two legs: a prefill leg (``max_tokens=1``, not
-streamed, ``kv_transfer_params={"do_remote_decode": true}``) on a prefill engine, then the
-original request plus the returned ``kv_transfer_params`` on a decode engine, whose answer
-(streamed or not) goes straight back to the client.  A failing leg becomes an OpenAI-style
-error naming the leg and the engine.
+Each completion or chat request becomes two legs (``proxy.Disaggregator``): a prefill leg on a
+prefill engine, then the original request plus the returned ``kv_transfer_params`` on a
+decode engine, whose answer (streamed or not) goes straight back to the client. Engines are
+probed in the background (``health.HealthTracker``); a client that goes away aborts its legs;
+a stream that breaks ends with an error event, never silently.
 """
 
 from __future__ import annotations
@@ -12,41 +12,32 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
 
 from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
+from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.limits import BodyRejected, read_body
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.proxy import (
+    Disaggregator,
+    LegError,
+    NoEngineError,
+    client_status,
+    prefill_body,
+    upstream_detail,
+)
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 from vllm_hybrid_nixl.router.validation import request_problem
 
-__all__ = ["RouterKeys", "RouterSettings", "build_app"]
-
-
-class LegError(Exception):
-    """A leg that did not produce a usable answer; carries the client-facing status."""
-
-    def __init__(self, leg: str, backend: Backend, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.leg, self.backend, self.status, self.detail = leg, backend, status, detail
-
-    def response(self) -> JSONResponse:
-        message = (
-            f"{self.leg} leg failed on engine {self.backend.label} ({self.backend.url}): "
-            f"{self.detail}"
-        )
-        return error_response(
-            self.status, message, "upstream_error", leg=self.leg, engine=self.backend.url
-        )
+__all__ = ["RouterKeys", "RouterSettings", "build_app", "prefill_body"]
 
 
 def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
@@ -55,29 +46,28 @@ def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONRe
     )
 
 
-def _upstream_detail(response: httpx.Response) -> str:
-    try:
-        payload = response.json()
-        message = payload.get("error", {}).get("message") if isinstance(payload, dict) else None
-        if message is None and isinstance(payload, dict):
-            message = payload.get("message") or payload.get("detail")
-        text = str(message if message is not None else payload)
-    except (json.JSONDecodeError, ValueError):
-        text = response.text
-    return f"HTTP {response.status_code}: {text[:500]}"
+def leg_error_response(error: LegError) -> JSONResponse:
+    return error_response(
+        error.status,
+        error.message,
+        "upstream_error",
+        leg=error.leg,
+        engine=error.backend.url,
+        kind=error.kind,
+    )
 
 
-def _client_status(upstream_status: int) -> int:
-    """Client errors pass through (the request is at fault); engine errors become 502."""
-    return upstream_status if 400 <= upstream_status < 500 else 502
+def stream_error_event(message: str) -> bytes:
+    error = {"message": message, "type": "upstream_error", "code": 502}
+    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    leg = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
-    leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-    if "n" in leg:
-        leg["n"] = 1
-    return leg
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def build_app(
@@ -87,7 +77,36 @@ def build_app(
     settings = settings or RouterSettings()
     keys = keys or RouterKeys()
     metrics = RouterMetrics()
-    state: dict[str, httpx.AsyncClient] = {}
+    pairing = PairingTable(pool.all(), timeout_s=settings.health_timeout_s)
+    health = HealthTracker(
+        pool.all(),
+        probe_failures_to_eject=settings.probe_failures_to_eject,
+        request_failures_to_open=settings.request_failures_to_open,
+        open_cooldown_s=settings.open_cooldown_s,
+    )
+    proxy = Disaggregator(pool, pairing, health, metrics, settings)
+
+    async def probe(client: httpx.AsyncClient, backend: Backend) -> None:
+        try:
+            response = await client.get(f"{backend.url}/health", timeout=settings.health_timeout_s)
+            ok, detail = response.status_code == 200, f"/health: HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, detail = False, f"/health: {exc!r}"
+        health.record_probe(backend, ok, "" if ok else detail)
+        metrics.engine_up.labels(backend.url, backend.role).set(
+            1 if health.state(backend).value == "up" else 0
+        )
+
+    async def probe_all(client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(probe(client, b) for b in pool.all()))
+        if pairing.needs_probe():
+            await asyncio.to_thread(pairing.refresh, True)
+
+    async def probe_forever(client: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.sleep(settings.probe_interval_s)
+            with suppress(Exception):  # a probe round must never end the loop
+                await probe_all(client)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -102,8 +121,15 @@ def build_app(
         async with httpx.AsyncClient(
             limits=limits, timeout=settings.prefill_timeout_s, headers=keys.engine_headers()
         ) as client:
-            state["client"] = client
-            yield
+            proxy.client = client
+            await probe_all(client)  # no leg goes to an engine not seen healthy
+            prober = asyncio.create_task(probe_forever(client))
+            try:
+                yield
+            finally:
+                prober.cancel()
+                with suppress(asyncio.CancelledError):
+                    await prober
 
     app = FastAPI(title="vllm-hybrid-nixl router", lifespan=lifespan)
     if keys.api_key:
@@ -111,40 +137,8 @@ def build_app(
             BearerAuthMiddleware, api_key=keys.api_key, protect_probes=settings.protect_probes
         )
     models = ServedModels(pool, settings.health_timeout_s, keys.engine_headers())
-    app.state.metrics = metrics
-    app.state.pool = pool
-    pairing = PairingTable(pool.all(), timeout_s=settings.health_timeout_s)
-    app.state.pairing = pairing
-
-    async def send_leg(
-        leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
-    ) -> httpx.Response:
-        client = state["client"]
-        timeout = httpx.Timeout(
-            settings.prefill_timeout_s if leg == "prefill" else settings.decode_read_timeout_s,
-            connect=settings.connect_timeout_s,
-        )
-        request = client.build_request("POST", f"{backend.url}{path}", json=body, timeout=timeout)
-        started = time.perf_counter()
-        try:
-            response = await client.send(request, stream=stream)
-        except httpx.TimeoutException as exc:
-            metrics.leg_requests.labels(leg, backend.url, "timeout").inc()
-            raise LegError(leg, backend, 504, f"timed out ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
-            metrics.leg_requests.labels(leg, backend.url, "unreachable").inc()
-            raise LegError(leg, backend, 502, f"engine unreachable: {exc!r}") from exc
-        metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
-        if response.status_code != 200:
-            if stream:
-                await response.aread()
-                await response.aclose()
-            metrics.leg_requests.labels(leg, backend.url, f"http_{response.status_code}").inc()
-            raise LegError(
-                leg, backend, _client_status(response.status_code), _upstream_detail(response)
-            )
-        metrics.leg_requests.labels(leg, backend.url, "ok").inc()
-        return response
+    app.state.metrics, app.state.pool, app.state.pairing = metrics, pool, pairing
+    app.state.health = health
 
     async def disaggregate(path: str, endpoint: str, request: Request) -> Response:
         started = time.perf_counter()
@@ -159,69 +153,76 @@ def build_app(
             return error_response(
                 400, f"request body is not valid JSON ({exc})", "invalid_request_error"
             )
-        names, max_model_len = await models.facts(
-            body.get("model") if isinstance(body, dict) else None
-        )
+        wanted = body.get("model") if isinstance(body, dict) else None
+        names, max_model_len = await models.facts(wanted)
         problem = request_problem(endpoint, body, settings, names, max_model_len)
         if problem is not None:
             metrics.requests.labels(endpoint, "bad_request").inc()
             return error_response(
                 problem.status, problem.message, problem.kind, param=problem.param
             )
-        metrics.in_flight.inc()
-        try:
-            if pairing.needs_probe():
-                await asyncio.to_thread(pairing.refresh, True)
-            prefill, decode = pool.next_pair(pairing.problem)
-            first = await send_leg("prefill", prefill, path, prefill_body(body), stream=False)
-            params = first.json().get("kv_transfer_params")
-            if not params:
-                raise LegError(
-                    "prefill",
-                    prefill,
-                    502,
-                    "the engine returned no kv_transfer_params; is it running with "
-                    "--kv-transfer-config and kv_role kv_producer?",
-                )
-            decode_body = {**body, "kv_transfer_params": params}
-            stream = bool(body.get("stream"))
-            second = await send_leg("decode", decode, path, decode_body, stream=stream)
-        except LegError as exc:
-            metrics.requests.labels(endpoint, f"{exc.leg}_error").inc()
-            metrics.in_flight.dec()
-            return exc.response()
-        except NoCompatiblePairError as exc:
-            metrics.requests.labels(endpoint, "incompatible_engines").inc()
-            metrics.in_flight.dec()
-            return error_response(503, str(exc), "incompatible_engines", reasons=exc.reasons)
-        except LookupError as exc:
-            metrics.in_flight.dec()
-            return error_response(503, str(exc), "service_unavailable")
 
-        def finish(outcome: str = "ok") -> None:
+        def finish(outcome: str) -> None:
             metrics.requests.labels(endpoint, outcome).inc()
             metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
             metrics.in_flight.dec()
 
-        if not stream:
-            finish()
+        metrics.in_flight.inc()
+        legs = asyncio.create_task(proxy.run(path, body))
+        gone = asyncio.create_task(until_disconnected(request))
+        try:
+            await asyncio.wait({legs, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not legs.done():  # the client left: abort the legs (engines abort on disconnect)
+            legs.cancel()
+            with suppress(BaseException):
+                await legs
+            metrics.client_disconnects.inc()
+            finish("client_disconnected")
+            return Response(status_code=499)
+        try:
+            answer = legs.result()
+        except LegError as exc:
+            finish(f"{exc.leg}_error")
+            return leg_error_response(exc)
+        except NoCompatiblePairError as exc:
+            finish("incompatible_engines")
+            return error_response(503, str(exc), "incompatible_engines", reasons=exc.reasons)
+        except NoEngineError as exc:
+            finish(f"no_{exc.leg}_engine")
+            return error_response(503, str(exc), "service_unavailable", leg=exc.leg)
+
+        if not body.get("stream"):
+            finish("ok")
             return Response(
-                second.content,
+                answer.response.content,
                 status_code=200,
-                media_type=second.headers.get("content-type", "application/json"),
+                media_type=answer.response.headers.get("content-type", "application/json"),
             )
 
         async def relay():
-            async for chunk in second.aiter_raw():
-                yield chunk
+            outcome = "ok"
+            try:
+                async for chunk in answer.response.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                outcome = "decode_stream_broken"
+                health.record_failure(answer.decode, f"stream broke: {exc!r}")
+                yield stream_error_event(
+                    f"decode leg failed on engine {answer.decode.label} ({answer.decode.url}) "
+                    f"while streaming: {exc!r}; the answer is incomplete"
+                )
+            except asyncio.CancelledError:
+                outcome = "client_disconnected"
+                metrics.client_disconnects.inc()
+                raise
+            finally:
+                await answer.response.aclose()  # closing the stream aborts it on the engine
+                proxy.leg_ended(answer.decode)
+                finish(outcome)
 
-        async def close() -> None:
-            await second.aclose()
-            finish()
-
-        return StreamingResponse(
-            relay(), media_type="text/event-stream", background=BackgroundTask(close)
-        )
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -233,41 +234,43 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        backend = pool.decode[0] if pool.decode else pool.prefill[0]
+        backend = next(
+            (b for b in [*pool.decode, *pool.prefill] if health.usable(b)),
+            pool.decode[0] if pool.decode else pool.prefill[0],
+        )
         try:
-            response = await state["client"].get(
+            response = await proxy.client.get(
                 f"{backend.url}/v1/models", timeout=settings.health_timeout_s
             )
         except httpx.HTTPError as exc:
-            return LegError("models", backend, 502, f"engine unreachable: {exc!r}").response()
+            return leg_error_response(
+                LegError("models", backend, 502, f"engine unreachable: {exc!r}", "unreachable")
+            )
         if response.status_code != 200:
-            return LegError(
-                "models", backend, _client_status(response.status_code), _upstream_detail(response)
-            ).response()
+            return leg_error_response(
+                LegError(
+                    "models",
+                    backend,
+                    client_status(response.status_code),
+                    upstream_detail(response),
+                    "engine_error",
+                )
+            )
         return Response(response.content, status_code=200, media_type="application/json")
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        async def probe(backend: Backend) -> dict[str, Any]:
-            try:
-                response = await state["client"].get(
-                    f"{backend.url}/health", timeout=settings.health_timeout_s
-                )
-                up = response.status_code == 200
-                detail = "" if up else f"HTTP {response.status_code}"
-            except httpx.HTTPError as exc:
-                up, detail = False, repr(exc)
-            return {
-                "name": backend.label,
-                "role": backend.role,
-                "url": backend.url,
-                "up": up,
-                "detail": detail,
-                "layout": pairing.layout(backend).summary(),
-            }
-
+    async def router_health() -> JSONResponse:
         await asyncio.to_thread(pairing.refresh)
-        engines = await asyncio.gather(*(probe(b) for b in pool.all()))
+        engines = [
+            {
+                "name": b.label,
+                "role": b.role,
+                "url": b.url,
+                **health.snapshot(b),
+                "layout": pairing.layout(b).summary(),
+            }
+            for b in pool.all()
+        ]
         up = {e["url"] for e in engines if e["up"]}
         pairable = [
             (p, d)
@@ -275,12 +278,11 @@ def build_app(
             for d in pool.decode
             if p.url in up and d.url in up and not pairing.problem(p, d)
         ]
-        problems = pairing.problems(pool.prefill, pool.decode)
         return JSONResponse(
             {
                 "status": "ok" if pairable else "unavailable",
                 "engines": engines,
-                "pairing_problems": problems,
+                "pairing_problems": pairing.problems(pool.prefill, pool.decode),
             },
             status_code=200 if pairable else 503,
         )

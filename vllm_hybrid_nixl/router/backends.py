@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 
@@ -43,6 +43,7 @@ class BackendPool:
         self._lock = threading.Lock()
         self._prefill_cycle = itertools.cycle(self.prefill) if self.prefill else None
         self._decode_cycle = itertools.cycle(self.decode) if self.decode else None
+        self._turn: dict[str, int] = {}
 
     @classmethod
     def from_urls(
@@ -90,6 +91,24 @@ class BackendPool:
                     if reason not in reasons:
                         reasons.append(reason)
         raise NoCompatiblePairError(reasons)
+
+    def pick(
+        self,
+        role: str,
+        usable: Callable[[Backend], bool],
+        exclude: Collection[Backend] = (),
+    ) -> Backend | None:
+        """The next engine of ``role`` in round-robin order that is not in ``exclude`` and
+        for which ``usable`` holds; None when there is none."""
+        engines = self.prefill if role == "prefill" else self.decode
+        with self._lock:
+            start = self._turn.get(role, 0)
+            self._turn[role] = start + 1
+        for offset in range(len(engines)):
+            backend = engines[(start + offset) % len(engines)]
+            if backend not in exclude and usable(backend):
+                return backend
+        return None
 
     def all(self) -> list[Backend]:
         return [*self.prefill, *self.decode]

@@ -36,3 +36,26 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "router_in_flight_requests", "Requests being served", registry=self.registry
         )
+        self.engine_up = Gauge(
+            "router_engine_up",
+            "1 when the engine takes legs (probes pass, breaker closed), else 0",
+            ["engine", "role"],
+            registry=self.registry,
+        )
+        self.engine_in_flight = Gauge(
+            "router_engine_in_flight_legs",
+            "Legs in flight on each engine",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "router_retries",
+            "Legs sent again elsewhere (prefill, decode) and whole requests run again (request)",
+            ["leg"],
+            registry=self.registry,
+        )
+        self.client_disconnects = Counter(
+            "router_client_disconnects",
+            "Requests whose client went away before the answer; their legs were aborted",
+            registry=self.registry,
+        )

@@ -36,6 +36,25 @@ class RouterSettings(BaseModel):
     keepalive_expiry_s: float = Field(
         2.0, ge=0, description="drop pooled engine connections idle this long"
     )
+    probe_interval_s: float = Field(
+        2.0, gt=0, description="how often each engine's /health is probed"
+    )
+    probe_failures_to_eject: int = Field(
+        2, ge=1, description="failed probes in a row that take an engine out of rotation"
+    )
+    request_failures_to_open: int = Field(
+        3, ge=1, description="failed legs in a row that open an engine's circuit breaker"
+    )
+    open_cooldown_s: float = Field(
+        10.0, gt=0, description="how long a breaker stays open before one trial leg"
+    )
+    prefill_attempts: int = Field(3, ge=1, description="prefill engines tried for one request")
+    decode_attempts: int = Field(
+        2, ge=1, description="decode engines tried when one cannot be reached"
+    )
+    request_retries: int = Field(
+        1, ge=0, description="whole-request re-runs after a decode engine's 5xx"
+    )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
     )

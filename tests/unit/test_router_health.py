@@ -1,0 +1,101 @@
+"""The router's per-engine health state machine and engine choice (pure, injected clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.health import EngineState, HealthTracker
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup():
+    pool = BackendPool.from_urls(["http://p0", "http://p1"], ["http://d0"])
+    clock = Clock()
+    tracker = HealthTracker(
+        pool.all(),
+        probe_failures_to_eject=2,
+        request_failures_to_open=3,
+        open_cooldown_s=10,
+        clock=clock,
+    )
+    return pool, tracker, clock
+
+
+def test_engines_take_no_traffic_until_a_probe_answers(setup) -> None:
+    pool, tracker, _ = setup
+    p0 = pool.prefill[0]
+    assert tracker.state(p0) is EngineState.UNKNOWN and not tracker.usable(p0)
+    tracker.record_probe(p0, False, "refused")
+    assert tracker.state(p0) is EngineState.DOWN  # an engine never seen up is down at once
+    tracker.record_probe(p0, True)
+    assert tracker.usable(p0)
+
+
+def test_failed_probes_in_a_row_eject_and_one_success_brings_back(setup) -> None:
+    pool, tracker, _ = setup
+    p0 = pool.prefill[0]
+    tracker.record_probe(p0, True)
+    tracker.record_probe(p0, False, "timeout")
+    assert tracker.usable(p0)  # one failure is tolerated
+    tracker.record_probe(p0, True)
+    tracker.record_probe(p0, False, "timeout")
+    assert tracker.usable(p0)  # the count restarted
+    tracker.record_probe(p0, False, "refused")
+    assert tracker.state(p0) is EngineState.DOWN and not tracker.usable(p0)
+    assert tracker.snapshot(p0)["last_error"] == "refused"
+    tracker.record_probe(p0, True)
+    assert tracker.state(p0) is EngineState.UP
+
+
+def test_breaker_opens_after_failed_legs_and_half_opens_after_cooldown(setup) -> None:
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    for _ in range(2):
+        tracker.record_failure(d0, "HTTP 500")
+    tracker.record_success(d0)  # a success in between resets the count
+    for _ in range(3):
+        tracker.record_failure(d0, "HTTP 500")
+    assert tracker.state(d0) is EngineState.OPEN and not tracker.usable(d0)
+    tracker.record_probe(d0, True)  # probes alone do not close a tripped breaker
+    clock.now += 9.9
+    assert not tracker.usable(d0)
+    clock.now += 0.2
+    assert tracker.usable(d0)  # one trial leg
+    assert tracker.state(d0) is EngineState.HALF_OPEN and not tracker.usable(d0)
+    tracker.record_failure(d0, "HTTP 500")  # the trial failed: open again, new cooldown
+    assert tracker.state(d0) is EngineState.OPEN
+    clock.now += 10
+    assert tracker.usable(d0)
+    tracker.record_success(d0)
+    assert tracker.state(d0) is EngineState.UP
+
+
+def test_in_flight_is_counted_per_engine(setup) -> None:
+    pool, tracker, _ = setup
+    p1 = pool.prefill[1]
+    tracker.leg_started(p1)
+    tracker.leg_started(p1)
+    tracker.leg_ended(p1)
+    assert tracker.snapshot(p1)["in_flight"] == 1
+    assert tracker.snapshot(pool.prefill[0])["in_flight"] == 0
+
+
+def test_pick_rotates_skips_unusable_and_excluded(setup) -> None:
+    pool, _, _ = setup
+    p0, p1 = pool.prefill
+    assert [pool.pick("prefill", lambda b: True) for _ in range(3)] == [p0, p1, p0]
+    assert {pool.pick("prefill", lambda b: b is not p0) for _ in range(3)} == {p1}
+    assert pool.pick("prefill", lambda b: True, exclude=[p0, p1]) is None
+    assert pool.pick("decode", lambda b: False) is None

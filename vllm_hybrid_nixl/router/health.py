@@ -1,0 +1,130 @@
+"""Which engines may take a leg now: health probes plus a circuit breaker per engine.
+
+An engine is *up* after a successful probe of its ``/health``. It goes *down* after
+``probe_failures_to_eject`` failed probes in a row, and *open* (breaker tripped) after
+``request_failures_to_open`` failed legs in a row; an open engine gets one trial leg
+(*half-open*) once ``open_cooldown_s`` has passed, and is up again when that leg or a probe
+succeeds. Engines start *unknown* and take no traffic until a first probe answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from vllm_hybrid_nixl.router.backends import Backend
+
+
+class EngineState(str, Enum):
+    UNKNOWN = "unknown"
+    UP = "up"
+    DOWN = "down"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass
+class EngineHealth:
+    state: EngineState = EngineState.UNKNOWN
+    probe_failures: int = 0
+    request_failures: int = 0
+    opened_at: float = 0.0
+    last_error: str = ""
+    changed_at: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+
+
+class HealthTracker:
+    """Thread-safe per-engine health state; ``clock`` is injectable for tests."""
+
+    def __init__(
+        self,
+        backends: list[Backend],
+        probe_failures_to_eject: int = 2,
+        request_failures_to_open: int = 3,
+        open_cooldown_s: float = 10.0,
+        clock=time.monotonic,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._eject_after = probe_failures_to_eject
+        self._open_after = request_failures_to_open
+        self._cooldown = open_cooldown_s
+        self._engines = {b.url: EngineHealth() for b in backends}
+
+    def _set(self, health: EngineHealth, state: EngineState) -> None:
+        if health.state is not state:
+            health.state, health.changed_at = state, self._clock()
+
+    def state(self, backend: Backend) -> EngineState:
+        return self._engines[backend.url].state
+
+    def usable(self, backend: Backend) -> bool:
+        """May a leg go to ``backend`` now? (An open breaker past its cooldown admits one
+        trial leg and turns half-open.)"""
+        with self._lock:
+            health = self._engines[backend.url]
+            if health.state is EngineState.UP:
+                return True
+            if (
+                health.state is EngineState.OPEN
+                and self._clock() - health.opened_at >= self._cooldown
+            ):
+                self._set(health, EngineState.HALF_OPEN)
+                return True
+            return False
+
+    def record_probe(self, backend: Backend, ok: bool, detail: str = "") -> None:
+        with self._lock:
+            health = self._engines[backend.url]
+            if ok:
+                health.probe_failures = 0
+                if health.state in (EngineState.UNKNOWN, EngineState.DOWN):
+                    health.request_failures = 0
+                    self._set(health, EngineState.UP)
+                return
+            health.probe_failures += 1
+            health.last_error = detail
+            if health.state is EngineState.UNKNOWN or health.probe_failures >= self._eject_after:
+                self._set(health, EngineState.DOWN)
+
+    def record_success(self, backend: Backend) -> None:
+        with self._lock:
+            health = self._engines[backend.url]
+            health.request_failures = 0
+            if health.state in (EngineState.HALF_OPEN, EngineState.OPEN):
+                self._set(health, EngineState.UP)
+
+    def record_failure(self, backend: Backend, detail: str) -> None:
+        with self._lock:
+            health = self._engines[backend.url]
+            health.request_failures += 1
+            health.last_error = detail
+            if health.state is EngineState.HALF_OPEN or (
+                health.state is EngineState.UP and health.request_failures >= self._open_after
+            ):
+                health.opened_at = self._clock()
+                self._set(health, EngineState.OPEN)
+
+    def leg_started(self, backend: Backend) -> None:
+        with self._lock:
+            self._engines[backend.url].in_flight += 1
+
+    def leg_ended(self, backend: Backend) -> None:
+        with self._lock:
+            self._engines[backend.url].in_flight -= 1
+
+    def snapshot(self, backend: Backend) -> dict[str, object]:
+        with self._lock:
+            health = self._engines[backend.url]
+            return {
+                "state": health.state.value,
+                "up": health.state is EngineState.UP,
+                "in_flight": health.in_flight,
+                "consecutive_probe_failures": health.probe_failures,
+                "consecutive_request_failures": health.request_failures,
+                "last_error": health.last_error,
+                "state_for_s": round(self._clock() - health.changed_at, 1),
+            }

@@ -1,0 +1,301 @@
+"""The two legs of a disaggregated request, with engine choice, retries and health records.
+
+Prefill leg (``max_tokens=1``, not streamed, ``do_remote_decode``): any failure of the engine
+(unreachable, timeout, 5xx) is retried on another prefill engine, up to
+``prefill_attempts`` engines. Decode leg (the client's request plus the prefill's
+``kv_transfer_params``): retried on another decode engine only when the request never reached
+the engine (connection refused), because a decode engine that got it may already have read,
+and released, the prefill's blocks. A decode engine's 5xx before any byte went to the client
+(e.g. a failed KV load under vLLM's ``kv_load_failure_policy: fail``) retries the whole
+request once (``request_retries``), on other engines when there are any. Client errors (4xx)
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
+from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.metrics import RouterMetrics
+from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.settings import RouterSettings
+
+logger = logging.getLogger("vllm_hybrid_nixl.router")
+
+# Errors raised before the request reached the engine: safe to send elsewhere.
+NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class LegError(Exception):
+    """A leg that did not produce a usable answer.
+
+    ``kind``: unreachable | timeout | engine_error (5xx) | client_error (4xx) | protocol;
+    ``delivered``: whether the engine may have received the request."""
+
+    def __init__(
+        self,
+        leg: str,
+        backend: Backend,
+        status: int,
+        detail: str,
+        kind: str,
+        delivered: bool = True,
+    ) -> None:
+        super().__init__(detail)
+        self.leg, self.backend, self.status, self.detail = leg, backend, status, detail
+        self.kind, self.delivered = kind, delivered
+
+    @property
+    def engine_fault(self) -> bool:
+        return self.kind in ("unreachable", "timeout", "engine_error")
+
+    @property
+    def message(self) -> str:
+        return (
+            f"{self.leg} leg failed on engine {self.backend.label} ({self.backend.url}): "
+            f"{self.detail}"
+        )
+
+
+class NoEngineError(LookupError):
+    """No engine of a role could take the leg; names every engine tried and why."""
+
+    def __init__(self, leg: str, tried: list[LegError], unavailable: list[Backend]) -> None:
+        parts = [f"{e.backend.label} ({e.backend.url}): {e.detail}" for e in tried]
+        parts += [f"{b.label} ({b.url}): not healthy" for b in unavailable]
+        super().__init__(
+            f"no {leg} engine could take the request; "
+            + ("; ".join(parts) if parts else f"no {leg} engine is configured")
+        )
+        self.leg = leg
+
+
+def upstream_detail(response: httpx.Response) -> str:
+    try:
+        payload = response.json()
+        message = payload.get("error", {}) if isinstance(payload, dict) else None
+        if isinstance(message, dict):
+            message = message.get("message")
+        if message is None and isinstance(payload, dict):
+            message = payload.get("message") or payload.get("detail")
+        text = str(message if message is not None else payload)
+    except (json.JSONDecodeError, ValueError):
+        text = response.text
+    return f"HTTP {response.status_code}: {text[:500]}"
+
+
+def client_status(upstream_status: int) -> int:
+    """Client errors pass through (the request is at fault); engine errors become 502."""
+    return upstream_status if 400 <= upstream_status < 500 else 502
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "n" in leg:
+        leg["n"] = 1
+    return leg
+
+
+@dataclass
+class DecodeAnswer:
+    prefill: Backend
+    decode: Backend
+    response: httpx.Response  # 200; a stream still open when the client asked for one
+
+
+class Disaggregator:
+    """Runs requests over ``pool``; ``client`` is set by the app's lifespan."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        pairing: PairingTable,
+        health: HealthTracker,
+        metrics: RouterMetrics,
+        settings: RouterSettings,
+    ) -> None:
+        self.pool, self.pairing, self.health = pool, pairing, health
+        self.metrics, self.settings = metrics, settings
+        self.client: httpx.AsyncClient | None = None
+
+    # ---- one leg -------------------------------------------------------------------
+
+    async def send_leg(
+        self, leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
+    ) -> httpx.Response:
+        assert self.client is not None, "the router's lifespan sets the client"
+        settings = self.settings
+        timeout = httpx.Timeout(
+            settings.prefill_timeout_s if leg == "prefill" else settings.decode_read_timeout_s,
+            connect=settings.connect_timeout_s,
+        )
+        request = self.client.build_request(
+            "POST", f"{backend.url}{path}", json=body, timeout=timeout
+        )
+        started = time.perf_counter()
+        self.leg_started(backend)
+        try:
+            response = await self.client.send(request, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise self._failed(
+                LegError(
+                    leg,
+                    backend,
+                    504,
+                    f"timed out ({type(exc).__name__})",
+                    "timeout",
+                    delivered=not isinstance(exc, NOT_DELIVERED),
+                )
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise self._failed(
+                LegError(
+                    leg,
+                    backend,
+                    502,
+                    f"engine unreachable: {exc!r}",
+                    "unreachable",
+                    delivered=not isinstance(exc, NOT_DELIVERED),
+                )
+            ) from exc
+        except BaseException:
+            self.leg_ended(backend)
+            raise
+        self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
+        if response.status_code != 200:
+            if stream:
+                await response.aread()
+                await response.aclose()
+            kind = "client_error" if 400 <= response.status_code < 500 else "engine_error"
+            error = LegError(
+                leg, backend, client_status(response.status_code), upstream_detail(response), kind
+            )
+            if kind == "client_error":  # the engine is fine; the request was at fault
+                self.health.record_success(backend)
+                self.leg_ended(backend)
+                self.metrics.leg_requests.labels(leg, backend.url, "client_error").inc()
+                raise error
+            raise self._failed(error)
+        self.metrics.leg_requests.labels(leg, backend.url, "ok").inc()
+        self.health.record_success(backend)
+        if not stream:
+            self.leg_ended(backend)
+        return response
+
+    def _failed(self, error: LegError) -> LegError:
+        self.leg_ended(error.backend)
+        self.metrics.leg_requests.labels(error.leg, error.backend.url, error.kind).inc()
+        self.health.record_failure(error.backend, error.detail)
+        logger.warning("%s", error.message)
+        return error
+
+    def leg_started(self, backend: Backend) -> None:
+        self.health.leg_started(backend)
+        self.metrics.engine_in_flight.labels(backend.url).inc()
+
+    def leg_ended(self, backend: Backend) -> None:
+        self.health.leg_ended(backend)
+        self.metrics.engine_in_flight.labels(backend.url).dec()
+
+    # ---- engine choice ---------------------------------------------------------------
+
+    def _pairable(self, prefill: Backend) -> bool:
+        return any(not self.pairing.problem(prefill, d) for d in self.pool.decode)
+
+    def _refuse_if_nothing_pairs(self) -> None:
+        if (
+            self.pool.prefill
+            and self.pool.decode
+            and not any(self._pairable(p) for p in self.pool.prefill)
+        ):
+            raise NoCompatiblePairError(self.pairing.problems(self.pool.prefill, self.pool.decode))
+
+    # ---- the request ------------------------------------------------------------------
+
+    async def prefill(
+        self, path: str, body: dict[str, Any], avoid: list[Backend]
+    ) -> tuple[Backend, dict[str, Any]]:
+        """Run the prefill leg; returns the engine and its ``kv_transfer_params``."""
+        self._refuse_if_nothing_pairs()
+        tried: list[LegError] = []
+        for _ in range(self.settings.prefill_attempts):
+            exclude = [e.backend for e in tried]
+            prefill = self.pool.pick(
+                "prefill",
+                lambda p: self._pairable(p) and self.health.usable(p),
+                exclude + avoid,
+            ) or self.pool.pick(
+                "prefill", lambda p: self._pairable(p) and self.health.usable(p), exclude
+            )
+            if prefill is None:
+                break
+            try:
+                response = await self.send_leg("prefill", prefill, path, prefill_body(body), False)
+            except LegError as exc:
+                if not exc.engine_fault:
+                    raise
+                tried.append(exc)
+                self.metrics.retries.labels("prefill").inc()
+                continue
+            params = response.json().get("kv_transfer_params")
+            if not params:
+                raise LegError(
+                    "prefill",
+                    prefill,
+                    502,
+                    "the engine returned no kv_transfer_params; is it running with "
+                    "--kv-transfer-config and kv_role kv_producer?",
+                    "protocol",
+                )
+            return prefill, params
+        unavailable = [p for p in self.pool.prefill if p not in [e.backend for e in tried]]
+        raise NoEngineError("prefill", tried, unavailable)
+
+    async def decode(
+        self, prefill: Backend, path: str, body: dict[str, Any], stream: bool
+    ) -> DecodeAnswer:
+        tried: list[LegError] = []
+        while True:
+            decode = self.pool.pick(
+                "decode",
+                lambda d: not self.pairing.problem(prefill, d) and self.health.usable(d),
+                [e.backend for e in tried],
+            )
+            if decode is None:
+                unavailable = [d for d in self.pool.decode if d not in [e.backend for e in tried]]
+                raise NoEngineError("decode", tried, unavailable)
+            try:
+                response = await self.send_leg("decode", decode, path, body, stream)
+            except LegError as exc:
+                if exc.delivered or len(tried) + 1 >= self.settings.decode_attempts:
+                    raise
+                tried.append(exc)  # never reached the engine: the blocks are still there
+                self.metrics.retries.labels("decode").inc()
+                continue
+            return DecodeAnswer(prefill, decode, response)
+
+    async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
+        """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
+        stream = bool(body.get("stream"))
+        avoid: list[Backend] = []
+        for attempt in range(self.settings.request_retries + 1):
+            prefill, params = await self.prefill(path, body, avoid)
+            try:
+                return await self.decode(
+                    prefill, path, {**body, "kv_transfer_params": params}, stream
+                )
+            except LegError as exc:
+                if exc.kind != "engine_error" or attempt == self.settings.request_retries:
+                    raise
+                logger.warning("%s; running the whole request again", exc.message)
+                self.metrics.retries.labels("request").inc()
+                avoid = [prefill]
+        raise AssertionError("unreachable")  # the loop returns or raises
