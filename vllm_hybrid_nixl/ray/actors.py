@@ -1,7 +1,17 @@
-"""A Ray actor that starts, watches and stops one ``vllm serve`` on its node."""
+"""A Ray actor that starts, supervises and stops one ``vllm serve`` on its node.
+
+Supervision: when the engine's process exits on its own, the actor starts it again on the
+same ports (bounded restarts, exponential backoff), under a new NIXL ``engine_id`` so that
+peers holding the dead engine's NIXL metadata handshake afresh. The router takes it back
+once its ``/health`` answers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,6 +52,8 @@ class EngineActor:
         env: dict[str, str],
         log_dir: str,
         cpu_core: int | None,
+        max_restarts: int = 3,
+        restart_backoff_s: float = 2.0,
     ) -> None:
         node_ip = node_ip_of_this_actor()
         engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
@@ -60,11 +72,63 @@ class EngineActor:
         )
         self.name = name
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.engine = EngineProcess(spec, Path(log_dir) / f"{name}.log")
+        self.log_dir = Path(log_dir)
+        self.engine = EngineProcess(spec, self.log_dir / f"{name}.log")
+        self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
+        self.restarts = 0
+        self.restart_log: list[dict[str, Any]] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> dict[str, Any]:
         self.engine.start()
         return self.info()
+
+    def supervise(self) -> None:
+        """From now on, restart the engine when its process exits (called once it served:
+        an engine that cannot start is reported, not restarted)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._supervise, name="supervise", daemon=True)
+            self._watcher.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(1.0):
+            with self._lock:
+                if self.engine.alive() or self._stopping.is_set():
+                    continue
+                code = self.engine.process.returncode if self.engine.process else None
+                if self.restarts >= self.max_restarts:
+                    print(
+                        f"{self.name}: engine exited with code {code}; restart limit "
+                        f"({self.max_restarts}) reached, not restarting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return
+                delay = self.restart_backoff_s * 2**self.restarts
+            if self._stopping.wait(delay):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.restarts += 1
+                old = self.engine.spec
+                spec = dataclasses.replace(
+                    old,
+                    engine_id=f"{self.name}-{uuid.uuid4().hex[:8]}" if old.engine_id else None,
+                )
+                log = self.log_dir / f"{self.name}.restart-{self.restarts}.log"
+                self.engine = EngineProcess(spec, log).start()
+                self.restart_log.append(
+                    {"at": time.time(), "exit_code": code, "pid": self.engine.pid, "log": str(log)}
+                )
+                print(
+                    f"{self.name}: engine exited with code {code}; restarted "
+                    f"({self.restarts}/{self.max_restarts}) as pid {self.engine.pid}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def info(self) -> dict[str, Any]:
         spec = self.engine.spec
@@ -78,6 +142,7 @@ class EngineActor:
             "engine_id": spec.engine_id,
             "pid": self.engine.pid,
             "log": str(self.engine.log_path),
+            "restarts": self.restarts,
         }
 
     def status(self) -> dict[str, Any]:
@@ -92,10 +157,18 @@ class EngineActor:
             except httpx.HTTPError:
                 healthy = False
         code = None if alive or self.engine.process is None else self.engine.process.returncode
-        return {"alive": alive, "healthy": healthy, "returncode": code}
+        return {
+            "alive": alive,
+            "healthy": healthy,
+            "returncode": code,
+            "restarts": self.restarts,
+            "pid": self.engine.pid,
+        }
 
     def log_tail(self, lines: int = 25) -> str:
         return self.engine.log_tail(lines)
 
     def stop(self) -> None:
-        self.engine.stop()
+        self._stopping.set()
+        with self._lock:
+            self.engine.stop()

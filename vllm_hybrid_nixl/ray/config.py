@@ -46,6 +46,12 @@ class PDConfig(BaseModel):
     router_port: int = Field(8000, ge=0, le=65535)
     address: str | None = None  # Ray cluster; None starts a local one bound to 127.0.0.1
     startup_timeout_s: float = Field(900.0, gt=0)
+    engine_max_restarts: int = Field(
+        3, ge=0, description="restarts of an engine whose process exits on its own"
+    )
+    engine_restart_backoff_s: float = Field(
+        2.0, ge=0, description="first restart delay; doubles with each restart"
+    )
     log_dir: str | None = None
     router: RouterSettings = Field(
         default_factory=RouterSettings, description="router timeouts and input limits"

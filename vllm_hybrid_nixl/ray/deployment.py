@@ -105,6 +105,7 @@ class PDDeployment:
         )
         refuse_incompatible_pairs(pool)
         self._warm_up_pairs()
+        ray.get([e.actor.supervise.remote() for e in self.engines], timeout=60)
         self.router = RouterServer(
             pool,
             self.config.router_host,
@@ -198,6 +199,8 @@ class PDDeployment:
                     env,
                     self.log_dir,
                     cores[i],
+                    config.engine_max_restarts,
+                    config.engine_restart_backoff_s,
                 )
                 self.engines.append(EngineHandle(name, role, actor))
         infos = ray.get([e.actor.start.remote() for e in self.engines], timeout=300)
