@@ -1,19 +1,23 @@
-"""2 prefill + 1 decode engines as Ray actors on a multi-node Ray cluster (three raylets on
-this machine), the router in front.
+"""2 prefill + 2 decode engines as Ray actors on a multi-node Ray cluster (three raylets on
+this machine), the router in front: placement, correctness, 64 concurrent requests, and
+engines killed by PID while traffic flows (the actors restart them).
 
 The prefill engines are placed on one node and the decode engine on another by custom
 resources; every address the engines advertise is the IP their node registered with Ray
 (127.0.0.2 here), never ``localhost`` or 127.0.0.1. All raylets share that one loopback IP
 (each raylet on its own loopback alias made UCX transfers stall here, a property of UCX on
-aliased loopback, not of the placement under test). Three engines on two cores: the prefill
-engines share one core and the decode engine has the other (``placement.engine_cores``);
-with the decode engine sharing a core with a prefill engine, transfers stalled for minutes.
+aliased loopback, not of the placement under test). Four engines on two cores: the prefill
+engines share one core and the decode engines the other (``placement.engine_cores``);
+with a decode engine sharing a core with a prefill engine, transfers stalled for minutes.
 The deployment runs with keys: the router's for clients, the engines' for the router.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -47,11 +51,11 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         head_node_args={"node_ip_address": NODE_IP, "num_cpus": 0, "include_dashboard": False},
     )
     cluster.add_node(node_ip_address=NODE_IP, num_cpus=2, resources={"prefill_node": 2})
-    cluster.add_node(node_ip_address=NODE_IP, num_cpus=1, resources={"decode_node": 1})
+    cluster.add_node(node_ip_address=NODE_IP, num_cpus=2, resources={"decode_node": 2})
     config = make_config(
         model=str(tiny_hybrid_model),
         num_prefill=2,
-        num_decode=1,
+        num_decode=2,
         block_size=64,
         max_model_len=1024,
         enforce_eager=True,
@@ -61,7 +65,9 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         address=cluster.address,
         router_port=0,
         log_dir=str(tmp_path_factory.mktemp("ray-pd-logs")),
-        startup_timeout_s=600,
+        startup_timeout_s=900,
+        engine_restart_backoff_s=1.0,
+        router={"probe_interval_s": 1.0},
     )
     try:
         with PDDeployment(config, keys=KEYS) as running:
@@ -98,7 +104,12 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
 def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
     health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()  # open probe
     assert health["status"] == "ok"
-    assert sorted(e["name"] for e in health["engines"]) == ["decode-0", "prefill-0", "prefill-1"]
+    assert sorted(e["name"] for e in health["engines"]) == [
+        "decode-0",
+        "decode-1",
+        "prefill-0",
+        "prefill-1",
+    ]
     assert all(e["up"] for e in health["engines"])
     # every engine's layout fingerprint was read from its side channel, and they all pair
     assert all("block_size=64" in e["layout"] for e in health["engines"]), health
@@ -108,10 +119,10 @@ def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
 def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(
     deployment: PDDeployment, tiny_hybrid_model
 ) -> None:
-    decode = deployment.urls("decode")[0]
+    decodes = deployment.urls("decode")
     prompt_tokens = 0
     with httpx.Client(timeout=300.0) as client:
-        before = read_kv_transfer_counters(decode, client)
+        before = [read_kv_transfer_counters(url, client) for url in decodes]
         for prompt in PROMPTS:
             body = {
                 "model": str(tiny_hybrid_model),
@@ -133,11 +144,14 @@ def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(
                 == (colocated.json()["choices"][0]["token_ids"])
             ), prompt
             prompt_tokens += routed.json()["usage"]["prompt_tokens"]
-        moved = read_kv_transfer_counters(decode, client) - before
+        moved = [
+            read_kv_transfer_counters(url, client) - was
+            for url, was in zip(decodes, before, strict=True)
+        ]
         metrics = client.get(f"{deployment.router_url}/metrics").text
-    # The decode engine computed at most each prompt's last token itself.
-    assert moved.external_prompt_tokens >= prompt_tokens - len(PROMPTS)
-    assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
+    # The decode engines computed at most each prompt's last token themselves.
+    assert sum(m.external_prompt_tokens for m in moved) >= prompt_tokens - len(PROMPTS)
+    assert all(m.nixl_bytes > 0 and m.failed_transfers == 0 for m in moved)  # both served
     for url in deployment.urls("prefill"):  # round-robin reached every prefill engine
         assert f'router_leg_requests_total{{engine="{url}",leg="prefill",outcome="ok"}}' in metrics
 
@@ -214,3 +228,267 @@ def test_engines_and_router_require_their_keys(deployment: PDDeployment, tiny_hy
 def test_models_lists_the_served_model(deployment: PDDeployment, tiny_hybrid_model) -> None:
     models = httpx.get(f"{deployment.router_url}/v1/models", timeout=30, headers=ROUTER).json()
     assert [m["id"] for m in models["data"]] == [str(tiny_hybrid_model)]
+
+
+# ---- load and faults (these run last: they kill engines) ------------------------------
+
+
+def load_bodies(model: str) -> list[dict]:
+    """64 requests: 16 prompts of different lengths x 4 variants (streamed or not, 8 or 14
+    tokens)."""
+    bodies = []
+    for i in range(16):
+        prompt = f"load {i}: " + " ".join([WORDS] * (1 + i % 9))
+        for stream, max_tokens in ((False, 8), (True, 8), (False, 14), (True, 14)):
+            bodies.append(
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": stream,
+                }
+            )
+    return bodies
+
+
+async def send_async(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, str]:
+    """(status, text of the answer, or the error body); streams are read to the end."""
+    if not body.get("stream"):
+        response = await client.post(url, json=body, headers=ROUTER)
+        if response.status_code != 200:
+            return response.status_code, response.text
+        return 200, response.json()["choices"][0]["text"]
+    pieces = []
+    async with client.stream("POST", url, json=body, headers=ROUTER) as response:
+        if response.status_code != 200:
+            return response.status_code, (await response.aread()).decode()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 502, json.dumps(event)
+                pieces.append(event["choices"][0].get("text") or "")
+    return 200, "".join(pieces)
+
+
+def expected_texts(deployment: PDDeployment, bodies: list[dict]) -> dict[tuple, str]:
+    expected = {}
+    with httpx.Client(timeout=300.0, headers=ENGINE) as client:
+        for body in bodies:
+            key = (body["prompt"], body["max_tokens"])
+            if key not in expected:
+                plain = {**body, "stream": False}
+                answer = client.post(f"{colocated_url(deployment)}/v1/completions", json=plain)
+                expected[key] = answer.json()["choices"][0]["text"]
+    return expected
+
+
+def decode_posts(deployment: PDDeployment) -> float:
+    total = 0.0
+    for url in deployment.urls("decode"):
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if (
+                line.startswith("http_requests_total{")
+                and 'handler="/v1/completions"' in line
+                and 'method="POST"' in line
+            ):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def router_engine_connections(deployment: PDDeployment) -> int:
+    import psutil
+
+    ports = {
+        int(url.rsplit(":", 1)[1]) for url in deployment.urls("prefill") + deployment.urls("decode")
+    }
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+def test_64_concurrent_requests_all_answered_correctly_once(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    import asyncio
+
+    import psutil
+
+    bodies = load_bodies(str(tiny_hybrid_model))
+    expected = expected_texts(deployment, bodies)
+    url = f"{deployment.router_url}/v1/completions"
+    rss_before = psutil.Process().memory_info().rss
+    posts_before = decode_posts(deployment)
+
+    async def fire() -> list[tuple[int, str]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            return await asyncio.gather(*(send_async(client, url, b) for b in bodies))
+
+    started = time.monotonic()
+    results = asyncio.run(fire())
+    elapsed = time.monotonic() - started
+    wrong = [
+        (b["prompt"][:12], b["stream"], status, text[:200])
+        for b, (status, text) in zip(bodies, results, strict=True)
+        if status != 200 or text != expected[(b["prompt"], b["max_tokens"])]
+    ]
+    assert wrong == [], wrong
+    assert decode_posts(deployment) - posts_before == len(bodies)  # none lost, none doubled
+    print(f"\nLOAD 2P2D: {len(bodies)} concurrent requests, all correct, {elapsed:.1f}s")
+    # Back to baseline: nothing in flight, pooled connections expire, memory settles.
+    time.sleep(3.0)
+    httpx.get(f"{deployment.router_url}/v1/models", headers=ROUTER, timeout=30)
+    metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
+    assert "router_in_flight_requests 0.0" in metrics
+    assert all(
+        line.endswith(" 0.0")
+        for line in metrics.splitlines()
+        if line.startswith("router_engine_in_flight_legs{")
+    ), metrics
+    assert router_engine_connections(deployment) <= 2
+    assert psutil.Process().memory_info().rss - rss_before < 64 * 2**20
+
+
+def engine(deployment: PDDeployment, name: str):
+    return next(e for e in deployment.engines if e.name == name)
+
+
+def kill_engine(deployment: PDDeployment, name: str) -> int:
+    """SIGKILL the engine's whole process group (API server, engine core, worker)."""
+    pid = ray.get(engine(deployment, name).actor.status.remote())["pid"]
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back_up(deployment: PDDeployment, name: str, old_pid: int, timeout_s=600) -> float:
+    """Seconds until the router reports ``name`` up again under a new process."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        status = ray.get(engine(deployment, name).actor.status.remote())
+        health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()
+        state = next(e for e in health["engines"] if e["name"] == name)
+        if status["pid"] != old_pid and status["restarts"] >= 1 and state["up"]:
+            return time.monotonic() - started
+        time.sleep(1.0)
+    pytest.fail(f"{name} was not back after {timeout_s}s: {status}, {state}")
+
+
+def test_killed_prefill_engine_loses_no_request_and_rejoins(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    import asyncio
+
+    bodies = load_bodies(str(tiny_hybrid_model))[:32]
+    expected = expected_texts(deployment, bodies)
+    url = f"{deployment.router_url}/v1/completions"
+
+    async def flow() -> tuple[list, int]:
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            tasks = []
+            for i, body in enumerate(bodies):
+                tasks.append(asyncio.create_task(send_async(client, url, body)))
+                if i == 8:
+                    await asyncio.sleep(0.5)
+                    pid = await asyncio.to_thread(kill_engine, deployment, "prefill-0")
+                await asyncio.sleep(0.1)
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 600)
+            return done, pid
+
+    results, old_pid = asyncio.run(flow())
+    killed_at = time.monotonic()
+    lost = [r for r in results if isinstance(r, BaseException)]
+    assert lost == []
+    ok = clear = 0
+    for body, (status, text) in zip(bodies, results, strict=True):
+        if status == 200:
+            assert text == expected[(body["prompt"], body["max_tokens"])], body["prompt"][:20]
+            ok += 1
+        else:  # a clear error: an OpenAI-style body naming what failed
+            assert status in (502, 503, 504), (status, text)
+            assert "leg" in text or "engine" in text, text
+            clear += 1
+    later = [send_async_sync(url, body) for body in bodies[:4]]
+    assert [status for status, _ in later] == [200] * 4
+    recovery = wait_back_up(deployment, "prefill-0", old_pid)
+    prefill0 = engine(deployment, "prefill-0").info["url"]
+    before = leg_ok_count(deployment, prefill0)
+    for body in bodies[:4]:
+        assert send_async_sync(url, body)[0] == 200
+    assert leg_ok_count(deployment, prefill0) > before  # the restarted engine serves again
+    print(
+        f"\nFAULT prefill kill: sent {len(bodies)}, ok {ok}, clear errors {clear}, lost 0; "
+        f"back in rotation {recovery:.0f}s after the requests ended "
+        f"({time.monotonic() - killed_at:.0f}s incl. checks)"
+    )
+
+
+def send_async_sync(url: str, body: dict) -> tuple[int, str]:
+    import asyncio
+
+    async def one() -> tuple[int, str]:
+        async with httpx.AsyncClient(timeout=300.0) as client:
+            return await send_async(client, url, body)
+
+    return asyncio.run(one())
+
+
+def leg_ok_count(deployment: PDDeployment, engine_url: str) -> float:
+    metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
+    for line in metrics.splitlines():
+        if line.startswith("router_leg_requests_total{") and f'engine="{engine_url}"' in line:
+            if 'outcome="ok"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    body = {
+        "model": str(tiny_hybrid_model),
+        "prompt": "a long answer " + WORDS,
+        "max_tokens": 700,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events, error, killed = 0, None, None
+    started = time.monotonic()
+    with httpx.Client(timeout=120.0, headers=ROUTER) as client:
+        with client.stream("POST", f"{deployment.router_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    break
+                events += 1
+                if events == 5 and killed is None:
+                    health = client.get(f"{deployment.router_url}/health").json()
+                    busy = [
+                        e["name"]
+                        for e in health["engines"]
+                        if e["role"] == "decode" and e["in_flight"] > 0
+                    ]
+                    assert len(busy) == 1, health
+                    killed = (busy[0], kill_engine(deployment, busy[0]))
+    assert killed, "the stream ended before a decode engine could be killed"
+    assert error is not None, f"stream ended after {events} events without an error event"
+    assert "while streaming" in error["message"] and "incomplete" in error["message"]
+    assert events < 700
+    print(f"\nFAULT decode kill mid-stream: error event after {time.monotonic() - started:.1f}s")
+    # The other decode engine keeps serving at once; the killed one comes back.
+    short = {**body, "max_tokens": 4, "stream": False}
+    url = f"{deployment.router_url}/v1/completions"
+    statuses = [send_async_sync(url, short)[0] for _ in range(4)]
+    assert statuses == [200] * 4
+    recovery = wait_back_up(deployment, killed[0], killed[1])
+    assert all(send_async_sync(url, short)[0] == 200 for _ in range(4))
+    print(f"FAULT decode kill: {killed[0]} back in rotation after {recovery:.0f}s")

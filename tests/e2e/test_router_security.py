@@ -4,6 +4,7 @@ environment), clients on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -200,6 +201,145 @@ def test_a_router_with_the_wrong_engine_key_stops_at_start_up(stack: Stack) -> N
         assert "VLLM_HYBRID_NIXL_ENGINE_API_KEY" in str(caught.value)
         assert "sk-not-it" not in str(caught.value)
         router.stop()
+
+
+def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_baseline(
+    stack: Stack,
+) -> None:
+    """Load on the keyed 1P1D stack (the 2P2D load runs in test_ray_pd)."""
+    import asyncio
+
+    import psutil
+
+    router = psutil.Process(stack.router_pid)
+    prompts = [
+        f"load {i}: " + " ".join(["tokens for the kv cache"] * (1 + i % 7)) for i in range(16)
+    ]
+    bodies = [
+        {
+            "model": stack.model,
+            "prompt": p,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        for p in prompts
+        for stream in (False, True)
+        for n in (6, 10)
+    ]
+    expected = {}
+    with httpx.Client(timeout=120, headers=bearer(ENGINE_KEY)) as client:
+        for body in bodies:
+            key = (body["prompt"], body["max_tokens"])
+            if key not in expected:
+                plain = {**body, "stream": False}
+                answer = client.post(f"{stack.pair.prefill.spec.url}/v1/completions", json=plain)
+                expected[key] = answer.json()["choices"][0]["text"]
+
+    def baseline() -> tuple[int, int]:
+        time.sleep(3.0)  # pooled connections expire after 2 s idle; the next request prunes
+        httpx.get(f"{stack.router_url}/v1/models", headers=bearer(ROUTER_KEY), timeout=30)
+        connections = len(router.net_connections(kind="tcp"))
+        return router.memory_info().rss, connections
+
+    rss_before, connections_before = baseline()
+    posts_before = engine_posts(stack.pair.decode.spec.url)
+
+    async def one(client: httpx.AsyncClient, body: dict) -> str:
+        url = f"{stack.router_url}/v1/completions"
+        if not body["stream"]:
+            response = await client.post(url, json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+        text = []
+        async with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    text.append(event["choices"][0]["text"])
+        return "".join(text)
+
+    async def fire() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(
+            timeout=600, limits=limits, headers=bearer(ROUTER_KEY)
+        ) as client:
+            return await asyncio.gather(*(one(client, b) for b in bodies))
+
+    texts = asyncio.run(fire())
+    assert len(texts) == 64
+    wrong = [
+        (b["prompt"][:10], b["stream"])
+        for b, t in zip(bodies, texts, strict=True)
+        if t != expected[(b["prompt"], b["max_tokens"])]
+    ]
+    assert wrong == []
+    assert engine_posts(stack.pair.decode.spec.url) - posts_before == 64  # once each
+    rss_after, connections_after = baseline()
+    assert connections_after <= connections_before + 2
+    assert rss_after - rss_before < 48 * 2**20, (rss_before, rss_after)
+
+
+def engine_load(url: str) -> tuple[float, float]:
+    """(requests running or waiting, KV-cache usage) from an engine's /metrics."""
+    running = usage = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+            running += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:kv_cache_usage_perc{"):
+            usage += float(line.rsplit(" ", 1)[1])
+    return running, usage
+
+
+def wait_engines_idle(stack: Stack, timeout_s: float = 60.0) -> dict[str, tuple]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = {
+            e.spec.role: engine_load(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)
+        }
+        if all(load == (0.0, 0.0) for load in loads.values()) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_aborts_both_legs(stack: Stack, stream: bool) -> None:
+    """Engines keep no request and no KV blocks for a client that went away."""
+    metrics_url = f"{stack.router_url}/metrics"
+
+    def disconnects() -> float:
+        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+            if line.startswith("router_client_disconnects_total "):
+                return float(line.split()[1])
+        return 0.0
+
+    before = disconnects()
+    assert wait_engines_idle(stack) == {"prefill": (0.0, 0.0), "decode": (0.0, 0.0)}
+    body = {
+        "model": stack.model,
+        "prompt": PROMPT,
+        "max_tokens": 900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    url = f"{stack.router_url}/v1/completions"
+    if stream:
+        with httpx.Client(timeout=60, headers=bearer(ROUTER_KEY)) as client:
+            with client.stream("POST", url, json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")  # the decode leg is running
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s
+            httpx.post(url, json=body, headers=bearer(ROUTER_KEY), timeout=2.0)
+    assert wait_engines_idle(stack) == {"prefill": (0.0, 0.0), "decode": (0.0, 0.0)}
+    deadline = time.monotonic() + 10
+    while disconnects() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert disconnects() == before + 1
 
 
 def test_keys_appear_in_no_log_health_or_process_listing(stack: Stack) -> None:
