@@ -323,6 +323,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     url = f"{deployment.router_url}/v1/completions"
     rss_before = psutil.Process().memory_info().rss
     posts_before = decode_posts(deployment)
+    reruns_before = request_reruns(deployment.router_url)
 
     async def fire() -> list[tuple[int, str]]:
         limits = httpx.Limits(max_connections=64)
@@ -338,8 +339,15 @@ def test_64_concurrent_requests_all_answered_correctly_once(
         if status != 200 or text != expected[(b["prompt"], b["max_tokens"])]
     ]
     assert wrong == [], wrong
-    assert decode_posts(deployment) - posts_before == len(bodies)  # none lost, none doubled
-    print(f"\nLOAD 2P2D: {len(bodies)} concurrent requests, all correct, {elapsed:.1f}s")
+    # Every client got exactly one answer (above); the decode engines saw each request once,
+    # plus whole-request re-runs after a broken decode link (which may not have arrived).
+    reruns = request_reruns(deployment.router_url) - reruns_before
+    posts = decode_posts(deployment) - posts_before
+    assert len(bodies) <= posts <= len(bodies) + reruns
+    print(
+        f"\nLOAD 2P2D: {len(bodies)} concurrent requests, all correct, {elapsed:.1f}s, "
+        f"{reruns:.0f} whole-request re-runs"
+    )
     # Back to baseline: nothing in flight, pooled connections expire, memory settles.
     time.sleep(3.0)
     httpx.get(f"{deployment.router_url}/v1/models", headers=ROUTER, timeout=30)
@@ -352,6 +360,13 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     ), metrics
     assert router_engine_connections(deployment) <= 2
     assert psutil.Process().memory_info().rss - rss_before < 64 * 2**20
+
+
+def request_reruns(router_url: str) -> float:
+    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('router_retries_total{leg="request"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def engine(deployment: PDDeployment, name: str):

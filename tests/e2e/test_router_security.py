@@ -118,6 +118,13 @@ def engine_posts(url: str) -> float:
     return total
 
 
+def request_reruns(router_url: str) -> float:
+    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('router_retries_total{leg="request"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -245,6 +252,7 @@ def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_b
 
     rss_before, connections_before = baseline()
     posts_before = engine_posts(stack.pair.decode.spec.url)
+    reruns_before = request_reruns(stack.router_url)
 
     async def one(client: httpx.AsyncClient, body: dict) -> str:
         url = f"{stack.router_url}/v1/completions"
@@ -277,7 +285,9 @@ def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_b
         if t != expected[(b["prompt"], b["max_tokens"])]
     ]
     assert wrong == []
-    assert engine_posts(stack.pair.decode.spec.url) - posts_before == 64  # once each
+    # once each, plus whole-request re-runs after a broken decode link (if it arrived at all)
+    posts = engine_posts(stack.pair.decode.spec.url) - posts_before
+    assert 64 <= posts <= 64 + request_reruns(stack.router_url) - reruns_before
     rss_after, connections_after = baseline()
     assert connections_after <= connections_before + 2
     assert rss_after - rss_before < 48 * 2**20, (rss_before, rss_after)

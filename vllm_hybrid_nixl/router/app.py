@@ -40,9 +40,11 @@ from vllm_hybrid_nixl.router.validation import request_problem
 __all__ = ["RouterKeys", "RouterSettings", "build_app", "prefill_body"]
 
 
-def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
+def error_response(status: int, message: str, error_type: str, **extra: Any) -> JSONResponse:
+    """An OpenAI-style error body: message, type, code, and any ``extra`` fields."""
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status, **extra}}, status_code=status
+        {"error": {"message": message, "type": error_type, "code": status, **extra}},
+        status_code=status,
     )
 
 

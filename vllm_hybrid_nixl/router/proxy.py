@@ -6,9 +6,10 @@ Prefill leg (``max_tokens=1``, not streamed, ``do_remote_decode``): any failure 
 ``kv_transfer_params``): retried on another decode engine only when the request never reached
 the engine (connection refused), because a decode engine that got it may already have read,
 and released, the prefill's blocks. A decode engine's 5xx before any byte went to the client
-(e.g. a failed KV load under vLLM's ``kv_load_failure_policy: fail``) retries the whole
-request once (``request_retries``), on other engines when there are any. Client errors (4xx)
-pass through untouched.
+(e.g. a failed KV load under vLLM's ``kv_load_failure_policy: fail``), or a decode
+connection that broke before any answer, re-runs the whole request once (``request_retries``:
+a fresh prefill, so no block is read twice), on other engines when there are any. Client
+errors (4xx) pass through untouched.
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ class Disaggregator:
                     prefill, path, {**body, "kv_transfer_params": params}, stream
                 )
             except LegError as exc:
-                if exc.kind != "engine_error" or attempt == self.settings.request_retries:
+                rerun = exc.kind in ("engine_error", "unreachable")
+                if not rerun or attempt == self.settings.request_retries:
                     raise
                 logger.warning("%s; running the whole request again", exc.message)
                 self.metrics.retries.labels("request").inc()

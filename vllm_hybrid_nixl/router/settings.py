@@ -31,10 +31,10 @@ class RouterSettings(BaseModel):
     )
     health_timeout_s: float = Field(3.0, gt=0, description="for /health and /v1/models probes")
     max_connections: int = Field(256, ge=1, description="pooled connections to the engines")
-    # Below the engines' 5 s keep-alive timeout (vLLM's uvicorn), so a pooled connection is
-    # never reused just as the engine closes it.
+    # Well below the engines' 5 s keep-alive timeout (vLLM's uvicorn): a router whose event
+    # loop is busy learns late that a response ended, so its idle clock starts late.
     keepalive_expiry_s: float = Field(
-        2.0, ge=0, description="drop pooled engine connections idle this long"
+        1.0, ge=0, description="drop pooled engine connections idle this long"
     )
     probe_interval_s: float = Field(
         2.0, gt=0, description="how often each engine's /health is probed"
@@ -53,7 +53,7 @@ class RouterSettings(BaseModel):
         2, ge=1, description="decode engines tried when one cannot be reached"
     )
     request_retries: int = Field(
-        1, ge=0, description="whole-request re-runs after a decode engine's 5xx"
+        1, ge=0, description="whole-request re-runs after a decode engine's 5xx or broken link"
     )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
