@@ -45,8 +45,25 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_dir_problem(args: argparse.Namespace) -> bool:
+    """Print why ``--log-dir`` cannot be used (non-empty, a link, a file); True if so."""
+    from vllm_hybrid_nixl.paths import OutputDirError, checked_output_dir
+
+    if not args.log_dir:
+        return False
+    try:
+        checked_output_dir(args.log_dir, args.overwrite, "--log-dir")
+    except OutputDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.demo import DemoOptions, run_demo
+
+    if _log_dir_problem(args):
+        return 2
 
     return run_demo(
         DemoOptions(
@@ -62,6 +79,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.ray.config import ConfigError, load_config, make_config
     from vllm_hybrid_nixl.ray.run import serve_until_signalled
 
+    if _log_dir_problem(args):
+        return 2
     flags = {
         "model": args.model,
         "num_prefill": args.num_prefill,
@@ -198,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--router-port", type=int)
     serve.add_argument("--address", help="Ray cluster address (default: start a local one)")
     serve.add_argument("--log-dir", help="where engine logs go (default: a temporary folder)")
+    serve.add_argument(
+        "--overwrite", action="store_true", help="write logs into a non-empty --log-dir"
+    )
     serve.add_argument("engine_args", nargs=argparse.REMAINDER)
 
     router = sub.add_parser("router", help="run only the router in front of running engines")
@@ -258,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="model directory (default: build a tiny hybrid model)")
     demo.add_argument("--block-size", type=int, default=64)
     demo.add_argument("--max-tokens", type=int, default=24)
-    demo.add_argument("--log-dir")
+    demo.add_argument("--log-dir", help="new or empty directory for the engine logs")
+    demo.add_argument(
+        "--overwrite", action="store_true", help="write logs into a non-empty --log-dir"
+    )
 
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
     defaults = TinyModelSpec()

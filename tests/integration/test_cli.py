@@ -77,3 +77,20 @@ def test_router_refuses_engines_that_reject_its_key_before_serving(tmp_path: Pat
     assert "answered 401 Unauthorized: the router's engine key was refused" in out.stderr
     assert "VLLM_HYBRID_NIXL_ENGINE_API_KEY" in out.stderr
     assert "sk-wrong-key" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_commands_refuse_a_non_empty_log_dir_before_starting_anything(
+    tmp_path: Path, command: str
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "old.log").write_text("from last week")
+    args = [command, "--log-dir", str(logs)]
+    if command == "serve":
+        args += ["--model", str(tmp_path)]
+    out = run(*args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "is not empty; choose an empty or new directory for --log-dir" in out.stderr
+    assert [p.name for p in logs.iterdir()] == ["old.log"]
+    assert (logs / "old.log").read_text() == "from last week"

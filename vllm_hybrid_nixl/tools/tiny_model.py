@@ -12,6 +12,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_hybrid_nixl.paths import OutputDirError, checked_output_dir
+
+__all__ = ["ARCHES", "OutputDirError", "TinyModelSpec", "build_tiny_model"]
+
 ARCHES = ("llama", "llama-hybrid", "gemma3")
 # A plain chat template, so /v1/chat/completions works on the tiny models.
 CHAT_TEMPLATE = (
@@ -113,27 +117,6 @@ def _config(spec: TinyModelSpec, vocab_size: int):
     return LlamaConfig(**common, torch_dtype="float32", **extra)
 
 
-class OutputDirError(ValueError):
-    """The output directory cannot be written safely; the message says what to change."""
-
-
-def _checked_output_dir(out: Path, overwrite: bool) -> Path:
-    """``out`` as named (never through a symbolic link), refusing to replace a non-empty
-    directory unless ``overwrite``."""
-    if out.is_symlink():
-        raise OutputDirError(
-            f"{out} is a symbolic link (to {Path(out).readlink()}); name the real directory"
-        )
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{out} exists and is not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputDirError(
-            f"{out} exists and is not empty; choose an empty or new directory, or pass "
-            "--overwrite to replace its contents"
-        )
-    return out
-
-
 def build_tiny_model(
     out: str | Path, spec: TinyModelSpec = TinyModelSpec(), overwrite: bool = False
 ) -> Path:
@@ -153,7 +136,7 @@ def build_tiny_model(
             f"hidden ({spec.hidden}) must divide by heads ({spec.heads}) and heads by "
             f"kv_heads ({spec.kv_heads})"
         )
-    out = _checked_output_dir(Path(out), overwrite)
+    out = checked_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

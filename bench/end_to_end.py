@@ -1,0 +1,220 @@
+"""End to end on this machine: the router (1P1D) against the same two legs sent by the client
+itself, and against a colocated engine, side by side in one run.
+
+One prefill and one decode ``vllm serve`` (tiny hybrid model, a core each), the router as its
+own process (``vllm-hybrid-nixl router``), as deployed. For each concurrency the three ways of
+serving take turns, round after round, so machine noise hits all alike:
+
+- ``router``: POST to the router (prefill leg + decode leg behind it);
+- ``client_legs``: the bench sends the same two legs itself (what the router does, without it);
+- ``colocated``: the decode engine answers the request alone (no P/D).
+
+Router overhead = router minus client_legs (latency of whole requests, p50 and p99); TTFT of
+P/D against colocated from streamed requests.
+
+    python -m bench.end_to_end [--concurrency 1 8 32 64] [--rounds 3] [--max-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+RESULTS = Path(__file__).parent / "results"
+WAYS = ("router", "client_legs", "colocated")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def timed_request(
+    client: httpx.AsyncClient, way: str, urls: dict[str, str], body: dict[str, Any]
+) -> tuple[float, float]:
+    """(seconds to the whole answer, seconds to the first streamed token)."""
+    started = time.perf_counter()
+    if way == "client_legs":
+        prefill = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        first = await client.post(f"{urls['prefill']}/v1/completions", json=prefill)
+        first.raise_for_status()
+        body = {**body, "kv_transfer_params": first.json()["kv_transfer_params"]}
+        url = urls["decode"]
+    else:
+        url = urls["router"] if way == "router" else urls["decode"]
+    ttft = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.perf_counter() - started
+    return time.perf_counter() - started, ttft or float("nan")
+
+
+async def one_round(
+    way: str, urls: dict[str, str], bodies: list[dict[str, Any]]
+) -> list[tuple[float, float]]:
+    limits = httpx.Limits(max_connections=len(bodies) * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        return await asyncio.gather(*(timed_request(client, way, urls, b) for b in bodies))
+
+
+def bodies_for(model: str, concurrency: int, max_tokens: int, words: int) -> list[dict]:
+    return [
+        {
+            "model": model,
+            "prompt": f"request {i}: " + " ".join(["hybrid kv cache blocks move"] * words),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for i in range(concurrency)
+    ]
+
+
+def measure(
+    urls: dict[str, str], model: str, concurrency: list[int], rounds: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for c in concurrency:
+        samples: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
+        for r in range(rounds):
+            for way in WAYS:
+                bodies = bodies_for(model, c, max_tokens, words=8 + r)
+                samples[way] += asyncio.run(one_round(way, urls, bodies))
+        row: dict[str, Any] = {"concurrency": c}
+        for way in WAYS:
+            total = [s[0] for s in samples[way]]
+            ttft = [s[1] for s in samples[way]]
+            row[way] = {
+                "p50_s": statistics.median(total),
+                "p99_s": percentile(total, 0.99),
+                "ttft_p50_s": statistics.median(ttft),
+            }
+        row["router_overhead_ms_p50"] = (row["router"]["p50_s"] - row["client_legs"]["p50_s"]) * 1e3
+        row["router_overhead_ms_p99"] = (row["router"]["p99_s"] - row["client_legs"]["p99_s"]) * 1e3
+        row["router_vs_client_legs_p50"] = row["router"]["p50_s"] / row["client_legs"]["p50_s"]
+        row["router_vs_client_legs_p99"] = row["router"]["p99_s"] / row["client_legs"]["p99_s"]
+        row["pd_vs_colocated_ttft"] = row["router"]["ttft_p50_s"] / row["colocated"]["ttft_p50_s"]
+        print(
+            f"  concurrency {c}: router p50 {row['router']['p50_s'] * 1e3:.0f} ms, client legs "
+            f"{row['client_legs']['p50_s'] * 1e3:.0f} ms, colocated "
+            f"{row['colocated']['p50_s'] * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def start_stack(model: str, log_dir: Path):
+    """Prefill and decode engines (a core each) and the router process; returns
+    (urls, stop)."""
+    from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
+    from vllm_hybrid_nixl.netutil import free_port
+
+    args = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
+    engines = [
+        EngineProcess(
+            EngineSpec(
+                model=model,
+                port=free_port(),
+                role=role,
+                side_channel_port=free_port(),
+                cpu_core=core,
+                extra_args=list(args),
+            ),
+            log_dir / f"{role}.log",
+        ).start()
+        for core, role in enumerate(("prefill", "decode"))
+    ]
+    for engine in engines:
+        engine.wait_healthy(timeout_s=600)
+    port = free_port()
+    script = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
+    with open(log_dir / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [
+                script, "router", "--port", str(port),
+                "--prefill", engines[0].spec.url, "--decode", engines[1].spec.url,
+            ],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, start_new_session=True,
+        )  # fmt: skip
+    urls = {
+        "prefill": engines[0].spec.url,
+        "decode": engines[1].spec.url,
+        "router": f"http://127.0.0.1:{port}",
+    }
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{urls['router']}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+    def stop() -> None:
+        router.terminate()
+        router.wait(timeout=20)
+        for engine in engines:
+            engine.stop()
+
+    return urls, stop
+
+
+def run(concurrency: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
+        urls, stop = start_stack(model, Path(tmp))
+        try:
+            # warm-up: the first NIXL transfer between two engines sets up their connection
+            asyncio.run(one_round("router", urls, bodies_for(model, 1, 2, 4)))
+            rows = measure(urls, model, concurrency, rounds, max_tokens)
+        finally:
+            stop()
+    return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    result = run(args.concurrency, args.rounds, args.max_tokens)
+    print(f"{'conc':>4} {'router p50':>10} {'legs p50':>9} {'added p50':>9} {'added p99':>9} "
+          f"{'p50 x':>6} {'p99 x':>6} {'TTFT P/D:co':>11}")  # fmt: skip
+    for row in result["rows"]:
+        print(
+            f"{row['concurrency']:>4} {row['router']['p50_s'] * 1e3:>8.0f}ms "
+            f"{row['client_legs']['p50_s'] * 1e3:>7.0f}ms {row['router_overhead_ms_p50']:>7.1f}ms "
+            f"{row['router_overhead_ms_p99']:>7.1f}ms {row['router_vs_client_legs_p50']:>6.3f} "
+            f"{row['router_vs_client_legs_p99']:>6.3f} {row['pd_vs_colocated_ttft']:>11.2f}"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "end_to_end.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
