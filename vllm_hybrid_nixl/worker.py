@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl import compat, thread_priority
 from vllm_hybrid_nixl.fingerprint import (
     LayoutFingerprint,
     LayoutMismatchError,
@@ -118,13 +118,37 @@ class HybridRegistrationMixin:
         # node "for KV transfer"; that thread is the engine's compute thread, so every engine
         # on a box ends up computing on the same core. Keep the binding the engine chose.
         affinity = os.sched_getaffinity(0)
+        threads_before = thread_priority.thread_ids()
         super().__init__(*args, **kwargs)
+        self._idle_busy_new_threads(thread_priority.thread_ids() - threads_before)
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
             logger.info(
                 "vllm-hybrid-nixl: kept the compute thread on cores %s (vLLM's NIXL worker "
                 "had moved it to the KV-transfer core)",
                 sorted(affinity),
+            )
+
+    def _idle_busy_new_threads(self, new_threads: set[int]) -> None:
+        """Idle priority for the threads vLLM's worker started that spin (NIXL's progress
+        thread). On by default with a CPU KV buffer; ``kv_connector_extra_config``
+        ``idle_progress_thread`` (true/false) decides explicitly."""
+        config = getattr(self, "kv_transfer_config", None) or getattr(
+            getattr(self, "vllm_config", None), "kv_transfer_config", None
+        )
+        default = getattr(config, "kv_buffer_device", "cuda") == "cpu"
+        wanted = default
+        if config is not None:
+            wanted = bool(config.get_from_extra_config("idle_progress_thread", default))
+        if not wanted or not new_threads:
+            return
+        idle = thread_priority.make_idle(thread_priority.busy_threads(new_threads))
+        if idle:
+            logger.info(
+                "vllm-hybrid-nixl: %d busy-polling thread(s) started by the NIXL worker now run "
+                "at idle priority (threads %s); they poll only when the core is free",
+                len(idle),
+                idle,
             )
 
     #: "pull" (decode READs) or "push" (prefill WRITEs); part of the layout fingerprint.

@@ -1,0 +1,48 @@
+"""Find threads that busy-poll a core and give them idle priority (Linux ``SCHED_IDLE``).
+
+NIXL's Python agent starts its progress thread with no delay between polls, so on vLLM's CPU
+build every engine has one thread spinning on a core, the core its compute threads run on.
+At idle priority it still polls whenever the core has nothing else to do, but never takes
+the core from the engine's own work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+TASKS = Path("/proc/self/task")
+
+
+def thread_ids() -> set[int]:
+    return {int(name) for name in os.listdir(TASKS)}
+
+
+def cpu_seconds(tid: int) -> float:
+    """User + system CPU time of one thread of this process (0 if it is gone)."""
+    try:
+        stat = (TASKS / str(tid) / "stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_threads(candidates: set[int], sample_s: float = 0.5, share: float = 0.15) -> list[int]:
+    """Those of ``candidates`` that used at least ``share`` of a core over ``sample_s``."""
+    before = {tid: cpu_seconds(tid) for tid in candidates}
+    time.sleep(sample_s)
+    return sorted(tid for tid in candidates if cpu_seconds(tid) - before[tid] >= share * sample_s)
+
+
+def make_idle(tids: list[int]) -> list[int]:
+    """Give each thread SCHED_IDLE; returns those that took it."""
+    done = []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            done.append(tid)
+        except (OSError, AttributeError):
+            continue
+    return done
