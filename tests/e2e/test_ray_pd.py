@@ -322,6 +322,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     expected = expected_texts(deployment, bodies)
     url = f"{deployment.router_url}/v1/completions"
     rss_before = psutil.Process().memory_info().rss
+    connections_before = router_engine_connections(deployment)  # health probes keep some
     posts_before = decode_posts(deployment)
     reruns_before = request_reruns(deployment.router_url)
 
@@ -358,7 +359,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
         for line in metrics.splitlines()
         if line.startswith("router_engine_in_flight_legs{")
     ), metrics
-    assert router_engine_connections(deployment) <= 2
+    assert router_engine_connections(deployment) <= connections_before + 1
     assert psutil.Process().memory_info().rss - rss_before < 64 * 2**20
 
 
