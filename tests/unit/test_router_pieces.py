@@ -68,3 +68,14 @@ def test_side_channels_follow_the_urls_and_a_count_mismatch_is_explained() -> No
     assert pool.decode[0].side_channel == ""
     with pytest.raises(ValueError, match="1 decode URL\\(s\\) but 2 decode side channel"):
         BackendPool.from_urls(["http://p0"], ["http://d0"], None, ["a:1", "b:2"])
+
+
+def test_an_error_as_first_stream_event_is_recognised() -> None:
+    from vllm_hybrid_nixl.router.proxy import stream_error
+
+    vllm_error = b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
+    assert stream_error(vllm_error) == "Internal server error"
+    token = b'data: {"id": "cmpl-1", "choices": [{"text": " the"}]}\n\n'
+    assert stream_error(token) is None
+    assert stream_error(b"data: [DONE]\n\n") is None
+    assert stream_error(b"") is None

@@ -206,7 +206,8 @@ def build_app(
         async def relay():
             outcome = "ok"
             try:
-                async for chunk in answer.response.aiter_raw():
+                yield answer.first
+                async for chunk in answer.rest:
                     yield chunk
             except httpx.HTTPError as exc:
                 outcome = "decode_stream_broken"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,35 @@ class DecodeAnswer:
     prefill: Backend
     decode: Backend
     response: httpx.Response  # 200; a stream still open when the client asked for one
+    first: bytes = b""  # streams: the first event, already read (nothing sent to the client)
+    rest: AsyncIterator[bytes] | None = None  # streams: what follows it
+
+
+async def first_event(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+    """Read a stream up to the end of its first server-sent event."""
+    chunks = response.aiter_raw()
+    buffered = b""
+    while b"\n\n" not in buffered:
+        try:
+            buffered += await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+    return buffered, chunks
+
+
+def stream_error(event: bytes) -> str | None:
+    """The message of an error event (vLLM streams errors after a 200), else None."""
+    text = event.strip()
+    if not text.startswith(b"data: {"):
+        return None
+    try:
+        payload = json.loads(text.split(b"\n\n", 1)[0][6:])
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if error is None:
+        return None
+    return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 class Disaggregator:
@@ -281,7 +311,36 @@ class Disaggregator:
                 tried.append(exc)  # never reached the engine: the blocks are still there
                 self.metrics.retries.labels("decode").inc()
                 continue
-            return DecodeAnswer(prefill, decode, response)
+            if not stream:
+                return DecodeAnswer(prefill, decode, response)
+            return await self._checked_stream(prefill, decode, response)
+
+    async def _checked_stream(
+        self, prefill: Backend, decode: Backend, response: httpx.Response
+    ) -> DecodeAnswer:
+        """vLLM answers a stream with 200 before it has loaded the prompt's KV; a failed
+        load then arrives as the first event. Read that event before the client gets a
+        byte, so such a failure can still re-run the whole request."""
+        try:
+            first, rest = await first_event(response)
+        except httpx.HTTPError as exc:
+            await response.aclose()
+            raise self._failed(
+                LegError("decode", decode, 502, f"stream broke: {exc!r}", "unreachable")
+            ) from exc
+        except BaseException:
+            await response.aclose()
+            self.leg_ended(decode)
+            raise
+        message = stream_error(first)
+        if message is not None:
+            await response.aclose()
+            raise self._failed(
+                LegError(
+                    "decode", decode, 502, f"first event was an error: {message}", "engine_error"
+                )
+            )
+        return DecodeAnswer(prefill, decode, response, first, rest)
 
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
