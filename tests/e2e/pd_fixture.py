@@ -76,3 +76,39 @@ def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
         prompt_tokens=result.decode_response["usage"]["prompt_tokens"],
         moved=moved,
     )
+
+
+def engine_posts(url: str) -> float:
+    """POSTs to the OpenAI routes the engine counted (any status), from its /metrics."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if (
+            line.startswith("http_requests_total{")
+            and 'method="POST"' in line
+            and ('handler="/v1/completions"' in line or 'handler="/v1/chat/completions"' in line)
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def request_reruns(router_url: str) -> float:
+    """Whole requests the router ran again (``router_retries_total{leg="request"}``)."""
+    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('router_retries_total{leg="request"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def colocated_texts(
+    engine_url: str, bodies: list[dict], headers: dict[str, str]
+) -> dict[tuple[str, int], str]:
+    """Each distinct (prompt, max_tokens) of ``bodies`` answered by one engine alone."""
+    expected: dict[tuple[str, int], str] = {}
+    with httpx.Client(timeout=300.0, headers=headers) as client:
+        for body in bodies:
+            key = (body["prompt"], body["max_tokens"])
+            if key not in expected:
+                plain = {**body, "stream": False}
+                answer = client.post(f"{engine_url}/v1/completions", json=plain)
+                expected[key] = answer.json()["choices"][0]["text"]
+    return expected

@@ -25,6 +25,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.e2e.pd_fixture import colocated_texts, engine_posts, request_reruns
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.ray.config import make_config
 from vllm_hybrid_nixl.ray.deployment import PDDeployment
@@ -274,28 +275,11 @@ async def send_async(client: httpx.AsyncClient, url: str, body: dict) -> tuple[i
 
 
 def expected_texts(deployment: PDDeployment, bodies: list[dict]) -> dict[tuple, str]:
-    expected = {}
-    with httpx.Client(timeout=300.0, headers=ENGINE) as client:
-        for body in bodies:
-            key = (body["prompt"], body["max_tokens"])
-            if key not in expected:
-                plain = {**body, "stream": False}
-                answer = client.post(f"{colocated_url(deployment)}/v1/completions", json=plain)
-                expected[key] = answer.json()["choices"][0]["text"]
-    return expected
+    return colocated_texts(colocated_url(deployment), bodies, ENGINE)
 
 
 def decode_posts(deployment: PDDeployment) -> float:
-    total = 0.0
-    for url in deployment.urls("decode"):
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-            if (
-                line.startswith("http_requests_total{")
-                and 'handler="/v1/completions"' in line
-                and 'method="POST"' in line
-            ):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(engine_posts(url) for url in deployment.urls("decode"))
 
 
 def router_engine_connections(deployment: PDDeployment) -> int:
@@ -361,13 +345,6 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     ), metrics
     assert router_engine_connections(deployment) <= connections_before + 1
     assert psutil.Process().memory_info().rss - rss_before < 64 * 2**20
-
-
-def request_reruns(router_url: str) -> float:
-    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith('router_retries_total{leg="request"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def engine(deployment: PDDeployment, name: str):

@@ -16,7 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import PdPair, start_pair
+from tests.e2e.pd_fixture import (
+    PdPair,
+    colocated_texts,
+    engine_posts,
+    request_reruns,
+    start_pair,
+)
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.router.auth import EngineAccessError
@@ -102,27 +108,6 @@ def stack(tiny_hybrid_model, tmp_path_factory) -> Iterator[Stack]:
                 router.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 router.kill()
-
-
-def engine_posts(url: str) -> float:
-    """POSTs to the OpenAI routes the engine counted (any status), from its /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("http_requests_total{")
-            and 'method="POST"' in line
-            and ('handler="/v1/completions"' in line or 'handler="/v1/chat/completions"' in line)
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def request_reruns(router_url: str) -> float:
-    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith('router_retries_total{leg="request"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -235,14 +220,7 @@ def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_b
         for stream in (False, True)
         for n in (6, 10)
     ]
-    expected = {}
-    with httpx.Client(timeout=120, headers=bearer(ENGINE_KEY)) as client:
-        for body in bodies:
-            key = (body["prompt"], body["max_tokens"])
-            if key not in expected:
-                plain = {**body, "stream": False}
-                answer = client.post(f"{stack.pair.prefill.spec.url}/v1/completions", json=plain)
-                expected[key] = answer.json()["choices"][0]["text"]
+    expected = colocated_texts(stack.pair.prefill.spec.url, bodies, bearer(ENGINE_KEY))
 
     def baseline() -> tuple[int, int]:
         time.sleep(3.0)  # pooled connections expire after 2 s idle; the next request prunes

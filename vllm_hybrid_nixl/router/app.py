@@ -138,7 +138,7 @@ def build_app(
         app.add_middleware(
             BearerAuthMiddleware, api_key=keys.api_key, protect_probes=settings.protect_probes
         )
-    models = ServedModels(pool, settings.health_timeout_s, keys.engine_headers())
+    models = ServedModels(pool, settings.health_timeout_s)
     app.state.metrics, app.state.pool, app.state.pairing = metrics, pool, pairing
     app.state.health = health
 
@@ -156,7 +156,7 @@ def build_app(
                 400, f"request body is not valid JSON ({exc})", "invalid_request_error"
             )
         wanted = body.get("model") if isinstance(body, dict) else None
-        names, max_model_len = await models.facts(wanted)
+        names, max_model_len = await models.facts(proxy.client, wanted)
         problem = request_problem(endpoint, body, settings, names, max_model_len)
         if problem is not None:
             metrics.requests.labels(endpoint, "bad_request").inc()
@@ -307,38 +307,37 @@ class ServedModels:
         self,
         pool: BackendPool,
         timeout_s: float,
-        headers: dict[str, str],
         refresh_s: float = 10.0,
     ) -> None:
         self._pool, self._timeout_s, self._refresh_s = pool, timeout_s, refresh_s
-        self._headers = headers
         self._names: frozenset[str] = frozenset()
         self._max_model_len: int | None = None
         self._fetched_at = -float("inf")
         self._lock = asyncio.Lock()
 
-    async def facts(self, wanted: str | None) -> tuple[frozenset[str], int | None]:
+    async def facts(
+        self, client: httpx.AsyncClient, wanted: str | None
+    ) -> tuple[frozenset[str], int | None]:
+        """Served names and context length; ``client`` is the router's pooled one (it carries
+        the engine key)."""
         stale = time.monotonic() - self._fetched_at > self._refresh_s
         if stale and (not self._names or (wanted is not None and wanted not in self._names)):
             async with self._lock:
                 if time.monotonic() - self._fetched_at > self._refresh_s:
-                    await self._fetch()
+                    await self._fetch(client)
         return self._names, self._max_model_len
 
-    async def _fetch(self) -> None:
+    async def _fetch(self, client: httpx.AsyncClient) -> None:
         self._fetched_at = time.monotonic()
-        async with httpx.AsyncClient(timeout=self._timeout_s, headers=self._headers) as client:
-            for backend in [*self._pool.decode, *self._pool.prefill]:
-                try:
-                    response = await client.get(f"{backend.url}/v1/models")
-                    cards = response.json().get("data", []) if response.status_code == 200 else []
-                except (httpx.HTTPError, ValueError, AttributeError):
-                    continue
-                names = frozenset(c["id"] for c in cards if isinstance(c, dict) and "id" in c)
-                if names:
-                    lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
-                    self._names = names
-                    self._max_model_len = min(
-                        (n for n in lengths if isinstance(n, int)), default=None
-                    )
-                    return
+        for backend in [*self._pool.decode, *self._pool.prefill]:
+            try:
+                response = await client.get(f"{backend.url}/v1/models", timeout=self._timeout_s)
+                cards = response.json().get("data", []) if response.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            names = frozenset(c["id"] for c in cards if isinstance(c, dict) and "id" in c)
+            if names:
+                lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+                self._names = names
+                self._max_model_len = min((n for n in lengths if isinstance(n, int)), default=None)
+                return

@@ -257,14 +257,14 @@ class Disaggregator:
         """Run the prefill leg; returns the engine and its ``kv_transfer_params``."""
         self._refuse_if_nothing_pairs()
         tried: list[LegError] = []
+
+        def usable(p: Backend) -> bool:
+            return self._pairable(p) and self.health.usable(p)
+
         for _ in range(self.settings.prefill_attempts):
             exclude = [e.backend for e in tried]
-            prefill = self.pool.pick(
-                "prefill",
-                lambda p: self._pairable(p) and self.health.usable(p),
-                exclude + avoid,
-            ) or self.pool.pick(
-                "prefill", lambda p: self._pairable(p) and self.health.usable(p), exclude
+            prefill = self.pool.pick("prefill", usable, exclude + avoid) or self.pool.pick(
+                "prefill", usable, exclude
             )
             if prefill is None:
                 break
