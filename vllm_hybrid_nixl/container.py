@@ -22,6 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
 
+from vllm_hybrid_nixl.keepalive import set_engine_keep_alive
+
 OUR_COMMANDS = ("router", "check", "version", "make-tiny-model")
 MIN_NIXL = Version("1.5")
 
@@ -50,6 +52,7 @@ def plan(args: list[str], env: Mapping[str, str], address: str) -> tuple[list[st
     if not _has_flag(rest, "--host"):
         rest += ["--host", address]
     env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", address)
+    set_engine_keep_alive(env)
     return [sys.executable, "-m", "vllm_hybrid_nixl.launcher", "serve", *rest], env
 
 

@@ -1,6 +1,11 @@
 """The main job on one machine: a tiny hybrid model served 1P1D on a local Ray cluster with
 ``HybridNixlConnector``, a few prompts through the router, each answer checked against a
-colocated (non-disaggregated) engine."""
+colocated (non-disaggregated) run of the same prompt.
+
+The colocated reference is the prefill engine itself answering a plain request (no
+``kv_transfer_params``: it prefills and decodes locally, as any vLLM engine does) under a
+cache salt of its own, so it never reuses KV the P/D leg left in its prefix cache. That saves
+starting a third engine on a small machine."""
 
 from __future__ import annotations
 
@@ -14,15 +19,15 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.ray.config import make_config
 from vllm_hybrid_nixl.ray.deployment import PDDeployment
 
 WORDS = "the router sends each prompt to a prefill engine and the decode engine reads its kv cache"
 # Lengths chosen around the 64-token sliding window and 64-token blocks.
 PROMPT_REPEATS = (1, 2, 4, 5, 7, 9, 12, 16)
+# Keeps the colocated reference's prefix cache apart from the P/D prefill leg's.
+COLOCATED_SALT = "vllm-hybrid-nixl-demo-colocated-reference"
 
 
 def demo_prompts() -> list[str]:
@@ -97,33 +102,24 @@ def run_demo(options: DemoOptions) -> int:
         startup_timeout_s=options.startup_timeout_s,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
-    colocated = EngineProcess(
-        EngineSpec(model, free_port(), role="none", cpu_core=0, extra_args=config.serve_args()),
-        Path(log_dir) / "colocated.log",
-    )
     started = time.perf_counter()
-    _say("starting a colocated reference engine, and 1 prefill + 1 decode engine on Ray")
-    colocated.start()
-    try:
-        with PDDeployment(config) as deployment:
-            colocated.wait_healthy(options.startup_timeout_s)
-            engines_s = time.perf_counter() - started
-            print(f"router: {deployment.router_url}", flush=True)
-            return _serve_and_compare(options, model, deployment, colocated, setup_s, engines_s)
-    finally:
-        colocated.stop()
+    _say("starting 1 prefill + 1 decode engine on Ray")
+    with PDDeployment(config) as deployment:
+        engines_s = time.perf_counter() - started
+        print(f"router: {deployment.router_url}", flush=True)
+        return _serve_and_compare(options, model, deployment, setup_s, engines_s)
 
 
 def _serve_and_compare(
     options: DemoOptions,
     model: str,
     deployment: PDDeployment,
-    colocated: EngineProcess,
     setup_s: float,
     engines_s: float,
 ) -> int:
     serving = time.perf_counter()
     decode_url = deployment.urls("decode")[0]
+    colocated_url = deployment.urls("prefill")[0]
     all_match = True
     prompt_tokens = 0
     with httpx.Client(timeout=120.0) as client:
@@ -137,7 +133,9 @@ def _serve_and_compare(
                 "return_token_ids": True,
             }
             pd = client.post(f"{deployment.router_url}/v1/completions", json=body)
-            co = client.post(f"{colocated.spec.url}/v1/completions", json=body)
+            co = client.post(
+                f"{colocated_url}/v1/completions", json={**body, "cache_salt": COLOCATED_SALT}
+            )
             pd.raise_for_status()
             co.raise_for_status()
             pd_choice, co_choice = pd.json()["choices"][0], co.json()["choices"][0]
@@ -160,7 +158,9 @@ def _serve_and_compare(
                 "ignore_eos": True,
             }
             timing["pd"].append(stream_timing(client, deployment.router_url, body))
-            timing["co"].append(stream_timing(client, colocated.spec.url, body))
+            timing["co"].append(
+                stream_timing(client, colocated_url, {**body, "cache_salt": COLOCATED_SALT})
+            )
     serving_s = time.perf_counter() - serving
     print(
         f"KV over NIXL: {moved.external_prompt_tokens:.0f} of {prompt_tokens} prompt tokens, "

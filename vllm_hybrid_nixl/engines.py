@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from vllm_hybrid_nixl.keepalive import set_engine_keep_alive
+
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
@@ -91,6 +93,7 @@ class EngineSpec:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        set_engine_keep_alive(env)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu_core is not None:

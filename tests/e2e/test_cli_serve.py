@@ -105,7 +105,7 @@ def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> Non
     assert re.search(r"wall time: set-up \d+s, engine start \d+s, serving \d+s", output)
     assert wait_session_empty(proc.pid) == []
     pids = engine_pids(tmp_path / "logs")
-    assert len(pids) >= 9  # 3 engines x (API server, engine core, worker)
+    assert len(pids) >= 6  # 2 engines x (API server, engine core, worker)
     assert alive(pids) == set()
 
 

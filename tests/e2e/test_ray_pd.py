@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.e2e.pd_fixture import colocated_texts, engine_posts, request_reruns
+from vllm_hybrid_nixl.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.ray.config import make_config
 from vllm_hybrid_nixl.ray.deployment import PDDeployment
@@ -100,6 +102,9 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
     assert placed["prefill"] != placed["decode"]  # the two roles run on different raylets
     channels = [e.info["side_channel"] for e in deployment.engines]
     assert len(set(channels)) == len(channels)
+    for e in deployment.engines:  # idle connections outlast the router's pool (keepalive.py)
+        environ = Path(f"/proc/{e.info['pid']}/environ").read_bytes().split(b"\0")
+        assert f"{KEEP_ALIVE_VAR}={ENGINE_KEEP_ALIVE_S}".encode() in environ, e.name
 
 
 def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
@@ -371,8 +376,15 @@ def wait_back_up(deployment: PDDeployment, name: str, old_pid: int, timeout_s=60
     pytest.fail(f"{name} was not back after {timeout_s}s: {status}, {state}")
 
 
-def test_killed_prefill_engine_loses_no_request_and_rejoins(
-    deployment: PDDeployment, tiny_hybrid_model
+@pytest.fixture(scope="module")
+def killed_engines() -> list[tuple[str, int, float]]:
+    """(name, pid, when) of each engine the fault tests killed; the last test waits for all of
+    them to come back at once, instead of one restart after the other."""
+    return []
+
+
+def test_killed_prefill_engine_loses_no_request(
+    deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
 ) -> None:
     import asyncio
 
@@ -407,16 +419,10 @@ def test_killed_prefill_engine_loses_no_request_and_rejoins(
             clear += 1
     later = [send_async_sync(url, body) for body in bodies[:4]]
     assert [status for status, _ in later] == [200] * 4
-    recovery = wait_back_up(deployment, "prefill-0", old_pid)
-    prefill0 = engine(deployment, "prefill-0").info["url"]
-    before = leg_ok_count(deployment, prefill0)
-    for body in bodies[:4]:
-        assert send_async_sync(url, body)[0] == 200
-    assert leg_ok_count(deployment, prefill0) > before  # the restarted engine serves again
+    killed_engines.append(("prefill-0", old_pid, killed_at))
     print(
-        f"\nFAULT prefill kill: sent {len(bodies)}, ok {ok}, clear errors {clear}, lost 0; "
-        f"back in rotation {recovery:.0f}s after the requests ended "
-        f"({time.monotonic() - killed_at:.0f}s incl. checks)"
+        f"\nFAULT prefill kill: sent {len(bodies)}, ok {ok}, clear errors {clear}, lost 0 "
+        f"(its restart is checked by the last test)"
     )
 
 
@@ -440,7 +446,7 @@ def leg_ok_count(deployment: PDDeployment, engine_url: str) -> float:
 
 
 def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
-    deployment: PDDeployment, tiny_hybrid_model
+    deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
 ) -> None:
     body = {
         "model": str(tiny_hybrid_model),
@@ -477,11 +483,36 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
     assert "while streaming" in error["message"] and "incomplete" in error["message"]
     assert events < 700
     print(f"\nFAULT decode kill mid-stream: error event after {time.monotonic() - started:.1f}s")
-    # The other decode engine keeps serving at once; the killed one comes back.
+    killed_engines.append((*killed, time.monotonic()))
+    # The other decode engine keeps serving at once.
     short = {**body, "max_tokens": 4, "stream": False}
     url = f"{deployment.router_url}/v1/completions"
     statuses = [send_async_sync(url, short)[0] for _ in range(4)]
     assert statuses == [200] * 4
-    recovery = wait_back_up(deployment, killed[0], killed[1])
-    assert all(send_async_sync(url, short)[0] == 200 for _ in range(4))
-    print(f"FAULT decode kill: {killed[0]} back in rotation after {recovery:.0f}s")
+
+
+def test_killed_engines_restart_and_serve_again(
+    deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
+) -> None:
+    """Runs after the two kill tests: each killed engine is restarted by its actor under a new
+    PID, the router takes it back, and it serves requests again."""
+    assert [name.split("-")[0] for name, _, _ in killed_engines] == ["prefill", "decode"], (
+        "run this module whole: the kill tests above record what they killed"
+    )
+    url = f"{deployment.router_url}/v1/completions"
+    short = {
+        "model": str(tiny_hybrid_model),
+        "prompt": "back again " + WORDS,
+        "max_tokens": 4,
+        "temperature": 0.0,
+    }
+    for name, old_pid, killed_at in killed_engines:
+        wait_back_up(deployment, name, old_pid)
+        back_after = time.monotonic() - killed_at
+        engine_url = engine(deployment, name).info["url"]
+        before = leg_ok_count(deployment, engine_url)
+        deadline = time.monotonic() + 120
+        while leg_ok_count(deployment, engine_url) <= before and time.monotonic() < deadline:
+            assert send_async_sync(url, short)[0] == 200
+        assert leg_ok_count(deployment, engine_url) > before, f"{name} got no leg after restart"
+        print(f"\nFAULT {name}: back in rotation and serving {back_after:.0f}s after the kill")

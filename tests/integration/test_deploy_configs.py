@@ -17,6 +17,7 @@ import yaml
 
 from vllm_hybrid_nixl import container
 from vllm_hybrid_nixl.cli import build_parser
+from vllm_hybrid_nixl.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
@@ -173,6 +174,10 @@ def test_entry_point_plans(tmp_path: Path) -> None:
     argv, env = container.plan(["--model", "m", "--host", "10.0.0.1"], {}, CONTAINER_IP)
     assert argv[-2:] == ["--host", "10.0.0.1"] and argv.count("--host") == 1
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == CONTAINER_IP
+    assert env[KEEP_ALIVE_VAR] == str(ENGINE_KEEP_ALIVE_S)  # outlasts the router's pool
+    _, env = container.plan(["--model", "m"], {KEEP_ALIVE_VAR: "30"}, CONTAINER_IP)
+    assert env[KEEP_ALIVE_VAR] == "30"  # the operator's choice stands
+    assert RouterSettings().keepalive_expiry_s * 30 < ENGINE_KEEP_ALIVE_S
     argv, env = container.plan(["serve", "m"], {"VLLM_NIXL_SIDE_CHANNEL_HOST": "p"}, "1.2.3.4")
     assert argv[4:] == ["m", "--host", "1.2.3.4"] and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "p"
     argv, _ = container.plan(["check", "--model", "m"], {}, CONTAINER_IP)

@@ -31,8 +31,8 @@ class RouterSettings(BaseModel):
     )
     health_timeout_s: float = Field(3.0, gt=0, description="for /health and /v1/models probes")
     max_connections: int = Field(256, ge=1, description="pooled connections to the engines")
-    # Well below the engines' 5 s keep-alive timeout (vLLM's uvicorn): a router whose event
-    # loop is busy learns late that a response ended, so its idle clock starts late.
+    # Far below the engines' keep-alive (75 s for engines we start, see keepalive.py; vLLM's
+    # default is 5 s): a router busy relaying learns late that a response ended.
     keepalive_expiry_s: float = Field(
         1.0, ge=0, description="drop pooled engine connections idle this long"
     )
