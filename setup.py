@@ -44,6 +44,8 @@ setup(
             "typer",
             "hf_transfer",
         ],
+        # The benchmark suite's plot (bench/results/latest.png).
+        "bench": ["matplotlib>=3.8"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",

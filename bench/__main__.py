@@ -1,10 +1,12 @@
 """The benchmark suite: every figure a ratio against its anchor, measured side by side.
 
-    python -m bench            registration, KV transfer, end to end (about 10 minutes here)
+    python -m bench            registration, KV transfer (and per UCX transport), end to end
     python -m bench --smoke    small sizes, for CI: checks the results are well formed
+    vllm-hybrid-nixl bench     the same
 
-Writes ``bench/results/<section>.json``, ``bench/results/latest.json`` (the headline ratios
-with date, commit and machine) and, when matplotlib is installed, ``bench/results/latest.png``.
+Writes ``<section>.json``, ``latest.json`` (the headline ratios with date, commit and
+machine), ``latest.md`` (the report as tables) and, when matplotlib is installed (the
+``bench`` extra), ``latest.png`` under ``bench/results/`` (``--out`` to change).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
     single = next(
         r for r in e2e["rows"] if r["concurrency"] == min(x["concurrency"] for x in e2e["rows"])
     )
-    return {
+    top: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
         "machine": machine(),
@@ -64,7 +67,66 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
         "transfer_vs_memcpy": statistics.median(large or [r["ratio"] for r in moved["blocks"]]),
         "router_overhead_ms_p50": single["router_overhead_ms_p50"],
         "pd_vs_colocated_ttft_ratio": single["pd_vs_colocated_ttft"],
+        "pd_vs_colocated_itl_ratio": single["pd_vs_colocated_itl"],
+        "pd_vs_colocated_tokens_per_s_ratio": single["pd_vs_colocated_tokens_per_s"],
     }
+    if len(registration) >= 2:
+        layers = [r["layers"] for r in registration]
+        top["register_ms_per_layer"] = {
+            way: end_to_end.slope(layers, [r[f"{way}_ms"] for r in registration])
+            for way in ("ours", "stock")
+        }
+    scaling = e2e.get("prompt_scaling", {})
+    for way in ("router", "colocated"):
+        if f"{way}_ttft_ms_per_1k_tokens" in scaling:
+            top.setdefault("ttft_ms_per_1k_prompt_tokens", {})[way] = scaling[
+                f"{way}_ttft_ms_per_1k_tokens"
+            ]
+    return top
+
+
+def table(registration: list[dict], moved: dict, e2e: dict) -> str:
+    """The report as Markdown (also printed)."""
+    lines = ["| registration: layers | ours ms | stock ms | ours / stock |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['layers']} | {r['ours_ms']:.1f} | {r['stock_ms']:.1f} | {r['ratio']:.3f} |"
+        for r in registration
+    ]
+    lines += ["", "| transfer: block | descriptors | NIXL GB/s | memcpy GB/s | NIXL / memcpy |"]
+    lines += ["|---|---|---|---|---|"]
+    lines += [
+        f"| {r['block_bytes'] >> 10} KiB | {r['descriptors']} | {r['nixl_gbs']:.2f} | "
+        f"{r['memcpy_gbs']:.2f} | {r['ratio']:.2f} |"
+        for r in moved["blocks"]
+    ]
+    lines += ["", "| HMA form: r | NIXL merges adjacent | µs per 256 KiB logical block |"]
+    lines += ["|---|---|---|"]
+    lines += [
+        f"| {r['r']} | {r['nixl_merges_adjacent']} | {r['us_per_logical_block']:.1f} |"
+        for r in moved["forms"]
+    ]
+    lines += [
+        "",
+        "| end to end: concurrent | router p50 ms | client legs p50 ms | colocated p50 ms | "
+        "router added p50 ms | TTFT P/D / colocated | ITL P/D / colocated | tokens/s P/D / "
+        "colocated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['concurrency']} | {r['router']['p50_s'] * 1e3:.0f} | "
+        f"{r['client_legs']['p50_s'] * 1e3:.0f} | {r['colocated']['p50_s'] * 1e3:.0f} | "
+        f"{r['router_overhead_ms_p50']:.1f} | {r['pd_vs_colocated_ttft']:.2f} | "
+        f"{r['pd_vs_colocated_itl']:.2f} | {r['pd_vs_colocated_tokens_per_s']:.2f} |"
+        for r in e2e["rows"]
+    ]
+    scaling = e2e.get("prompt_scaling", {}).get("rows", [])
+    if scaling:
+        lines += ["", "| prompt tokens | TTFT router ms | TTFT colocated ms |", "|---|---|---|"]
+        lines += [
+            f"| {r['prompt_tokens']} | {r['router_ttft_ms']:.0f} | {r['colocated_ttft_ms']:.0f} |"
+            for r in scaling
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
@@ -75,11 +137,10 @@ def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot([r["layers"] for r in registration], [r["ours_ms"] for r in registration], "o-",
-                 label="ours")  # fmt: skip
-    axes[0].plot([r["layers"] for r in registration], [r["stock_ms"] for r in registration], "s-",
-                 label="stock")  # fmt: skip
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    layers = [r["layers"] for r in registration]
+    for way, marker in (("ours", "o-"), ("stock", "s-")):
+        axes[0].plot(layers, [r[f"{way}_ms"] for r in registration], marker, label=way)
     axes[0].set(xlabel="layers", ylabel="register_kv_caches (ms)", title="Registration")
     sizes = [r["block_bytes"] >> 10 for r in moved["blocks"]]
     axes[1].plot(sizes, [r["nixl_gbs"] for r in moved["blocks"]], "o-", label="NIXL READ")
@@ -89,18 +150,27 @@ def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
     for way in end_to_end.WAYS:
         axes[2].plot(conc, [r[way]["p50_s"] * 1e3 for r in e2e["rows"]], "o-", label=way)
     axes[2].set(xlabel="concurrent requests", ylabel="p50 latency (ms)", title="End to end")
+    scaling = e2e.get("prompt_scaling", {}).get("rows", [])
+    tokens = [r["prompt_tokens"] for r in scaling]
+    for way in ("router", "colocated"):
+        axes[3].plot(tokens, [r[f"{way}_ttft_ms"] for r in scaling], "o-", label=way)
+    axes[3].set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="TTFT vs prompt length")
     for axis in axes:
         axis.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS), help="where results are written")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     print("== registration cost", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         layers, repeats = ([8], 1) if args.smoke else ([8, 64, 256], 5)
@@ -110,9 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         moved = transfer.measure(4 << 20, 1, [64 << 10, 1 << 20], [1, 2])
     else:
         moved = transfer.measure(64 << 20, 5, transfer.BLOCK_SIZES, [1, 2, 4])
+        print("== UCX transports", file=sys.stderr, flush=True)
+        moved["ucx"] = transfer.compare_ucx(16 << 20, 3, [256 << 10, 1 << 20], transfer.UCX_CHOICES)
     print("== end to end", file=sys.stderr, flush=True)
     e2e = end_to_end.run(
-        [1] if args.smoke else [1, 8, 32], 1 if args.smoke else 3, 8 if args.smoke else 16
+        [1] if args.smoke else [1, 8, 32],
+        1 if args.smoke else 3,
+        8 if args.smoke else 16,
+        scaling_words=[4, 40] if args.smoke else [4, 32, 64, 96, 128],
     )
     suffix = "_smoke" if args.smoke else ""
     for name, data in (
@@ -120,13 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         ("transfer", moved),
         ("end_to_end", e2e),
     ):
-        (RESULTS / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
+        (out / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
     top = headline(registration, moved, e2e)
-    (RESULTS / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))
-    plotted = plot(registration, moved, e2e, RESULTS / f"latest{suffix}.png")
+    top["wall_s"] = round(time.monotonic() - started)
+    (out / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))
+    report = table(registration, moved, e2e)
+    (out / f"latest{suffix}.md").write_text(report)
+    plotted = plot(registration, moved, e2e, out / f"latest{suffix}.png")
+    print(report)
     print(json.dumps(top, indent=2))
     if not plotted:
-        print("(matplotlib not installed: no plot)", file=sys.stderr)
+        print("(matplotlib not installed: no plot; pip install -e .[bench])", file=sys.stderr)
     return 0
 
 

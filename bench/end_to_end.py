@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ import httpx
 
 RESULTS = Path(__file__).parent / "results"
 WAYS = ("router", "client_legs", "colocated")
+MAX_MODEL_LEN = 1024
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -42,8 +44,9 @@ def percentile(values: list[float], q: float) -> float:
 
 async def timed_request(
     client: httpx.AsyncClient, way: str, urls: dict[str, str], body: dict[str, Any]
-) -> tuple[float, float]:
-    """(seconds to the whole answer, seconds to the first streamed token)."""
+) -> tuple[float, float, float]:
+    """(seconds to the whole answer, seconds to the first streamed token, seconds between
+    tokens after the first, averaged)."""
     started = time.perf_counter()
     if way == "client_legs":
         prefill = {
@@ -58,18 +61,21 @@ async def timed_request(
         url = urls["decode"]
     else:
         url = urls["router"] if way == "router" else urls["decode"]
-    ttft = None
+    arrivals: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
-                ttft = time.perf_counter() - started
-    return time.perf_counter() - started, ttft or float("nan")
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter() - started)
+    if not arrivals:
+        raise RuntimeError(f"{way}: no token streamed from {url}")
+    itl = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan
+    return time.perf_counter() - started, arrivals[0], itl
 
 
 async def one_round(
     way: str, urls: dict[str, str], bodies: list[dict[str, Any]]
-) -> list[tuple[float, float]]:
+) -> list[tuple[float, float, float]]:
     limits = httpx.Limits(max_connections=len(bodies) * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return await asyncio.gather(*(timed_request(client, way, urls, b) for b in bodies))
@@ -94,7 +100,7 @@ def measure(
 ) -> list[dict[str, Any]]:
     rows = []
     for c in concurrency:
-        samples: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
+        samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
         for r in range(rounds):
             for way in WAYS:
                 bodies = bodies_for(model, c, max_tokens, words=8 + r)
@@ -103,16 +109,24 @@ def measure(
         for way in WAYS:
             total = [s[0] for s in samples[way]]
             ttft = [s[1] for s in samples[way]]
+            itl = [s[2] for s in samples[way] if not math.isnan(s[2])]
             row[way] = {
                 "p50_s": statistics.median(total),
                 "p99_s": percentile(total, 0.99),
                 "ttft_p50_s": statistics.median(ttft),
+                "itl_p50_ms": statistics.median(itl) * 1e3 if itl else math.nan,
+                # output tokens per second over the round: every request's tokens / p50 time
+                "tokens_per_s": c * max_tokens / statistics.median(total),
             }
         row["router_overhead_ms_p50"] = (row["router"]["p50_s"] - row["client_legs"]["p50_s"]) * 1e3
         row["router_overhead_ms_p99"] = (row["router"]["p99_s"] - row["client_legs"]["p99_s"]) * 1e3
         row["router_vs_client_legs_p50"] = row["router"]["p50_s"] / row["client_legs"]["p50_s"]
         row["router_vs_client_legs_p99"] = row["router"]["p99_s"] / row["client_legs"]["p99_s"]
         row["pd_vs_colocated_ttft"] = row["router"]["ttft_p50_s"] / row["colocated"]["ttft_p50_s"]
+        row["pd_vs_colocated_itl"] = row["router"]["itl_p50_ms"] / row["colocated"]["itl_p50_ms"]
+        row["pd_vs_colocated_tokens_per_s"] = (
+            row["router"]["tokens_per_s"] / row["colocated"]["tokens_per_s"]
+        )
         print(
             f"  concurrency {c}: router p50 {row['router']['p50_s'] * 1e3:.0f} ms, client legs "
             f"{row['client_legs']['p50_s'] * 1e3:.0f} ms, colocated "
@@ -124,13 +138,60 @@ def measure(
     return rows
 
 
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+
+
+def prompt_scaling(
+    urls: dict[str, str], model: str, words: list[int], rounds: int
+) -> dict[str, Any]:
+    """TTFT through the router (P/D: prefill, then the KV moved over NIXL) and colocated, one
+    request at a time, for growing prompts; slopes in ms per 1,000 prompt tokens."""
+    rows = []
+    for n in words:
+        ttft: dict[str, list[float]] = {"router": [], "colocated": []}
+        tokens = 0
+        for r in range(rounds):
+            body = bodies_for(model, 1, 4, n)[0]
+            body["prompt"] = f"scaling {n} round {r}: " + body["prompt"]
+            tokens = count_tokens(urls["decode"], model, body["prompt"])
+            if tokens + 4 > MAX_MODEL_LEN:
+                break
+            for way in ttft:
+                ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
+        if ttft["router"]:
+            rows.append(
+                {
+                    "words": n,
+                    "prompt_tokens": tokens,
+                    **{f"{way}_ttft_ms": statistics.median(v) * 1e3 for way, v in ttft.items()},
+                }
+            )
+    result: dict[str, Any] = {"rows": rows}
+    if len(rows) >= 2:
+        xs = [row["prompt_tokens"] / 1000 for row in rows]
+        for way in ("router", "colocated"):
+            ys = [row[f"{way}_ttft_ms"] for row in rows]
+            result[f"{way}_ttft_ms_per_1k_tokens"] = slope(xs, ys)
+    return result
+
+
+def count_tokens(url: str, model: str, prompt: str) -> int:
+    response = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": prompt}, timeout=30)
+    response.raise_for_status()
+    return int(response.json()["count"])
+
+
 def start_stack(model: str, log_dir: Path, kv_extra_config: dict | None = None):
     """Prefill and decode engines (a core each) and the router process; returns
     (urls, stop)."""
     from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
     from vllm_hybrid_nixl.netutil import free_port
 
-    args = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
+    args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
     engines = [
         EngineProcess(
             EngineSpec(
@@ -182,7 +243,11 @@ def start_stack(model: str, log_dir: Path, kv_extra_config: dict | None = None):
 
 
 def run(
-    concurrency: list[int], rounds: int, max_tokens: int, kv_extra_config: dict | None = None
+    concurrency: list[int],
+    rounds: int,
+    max_tokens: int,
+    kv_extra_config: dict | None = None,
+    scaling_words: list[int] | None = None,
 ) -> dict[str, Any]:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -195,6 +260,7 @@ def run(
             # warm-up: the first NIXL transfer between two engines sets up their connection
             asyncio.run(one_round("router", urls, bodies_for(model, 1, 2, 4)))
             rows = measure(urls, model, concurrency, rounds, max_tokens)
+            scaling = prompt_scaling(urls, model, scaling_words or [], rounds)
         finally:
             stop()
     return {
@@ -203,6 +269,7 @@ def run(
         "engine_start_s": start_s,
         "kv_extra_config": kv_extra_config or {},
         "rows": rows,
+        "prompt_scaling": scaling,
     }
 
 

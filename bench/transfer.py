@@ -9,8 +9,8 @@ descriptor lists prepared once (``prep_xfer_dlist``), transfers made from block 
 
     python -m bench.transfer [--total-mib 64] [--repeats 5] [--smoke]
 
-UCX transports can be compared by running it with e.g. ``UCX_TLS=cma,self`` or
-``UCX_TLS=posix,self`` or ``UCX_TLS=tcp,self`` in the environment.
+``--compare-ucx`` runs the same measurement once per UCX transport choice (``UCX_TLS``), each
+in a fresh process, to show which transport UCX picks on one host and what each delivers.
 """
 
 from __future__ import annotations
@@ -20,13 +20,17 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+# UCX transport choices compared by --compare-ucx: None leaves UCX to pick (what engines do).
+UCX_CHOICES = [None, "tcp,self", "posix,self", "cma,self", "sm,self"]
 
 
 def _agent(name: str):
@@ -163,13 +167,65 @@ def _forms(agent, remote, local, remote_base, total, repeats, ratios) -> list[di
     return rows
 
 
+def compare_ucx(
+    total: int, repeats: int, block_sizes: list[int], choices: list[str | None]
+) -> list[dict]:
+    """One fresh process per ``UCX_TLS`` choice (UCX reads it once, at start): NIXL and memcpy
+    GB/s per block size, or the error when that transport cannot run here."""
+    rows = []
+    for choice in choices:
+        env = dict(os.environ)
+        env.pop("UCX_TLS", None)
+        if choice is not None:
+            env["UCX_TLS"] = choice
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            sizes = [str(size) for size in block_sizes]
+            command = [sys.executable, "-m", "bench.transfer", "--total-mib", str(total >> 20)]
+            command += ["--repeats", str(repeats), "--block-bytes", *sizes, "--json", str(out)]
+            done = subprocess.run(
+                command,
+                env=env,
+                cwd=Path(__file__).parent.parent,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            row: dict = {"ucx_tls": choice or "(UCX picks)"}
+            if done.returncode == 0:
+                row["blocks"] = json.loads(out.read_text())["blocks"]
+                row["median_ratio"] = statistics.median(b["ratio"] for b in row["blocks"])
+            else:
+                row["error"] = (done.stderr.strip().splitlines() or ["exit code"])[-1][-300:]
+        print(
+            f"  UCX_TLS={row['ucx_tls']}: "
+            + (f"{row['median_ratio']:.2f}x memcpy" if "blocks" in row else row["error"]),
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="4 MiB, 2 block sizes, 1 repeat")
+    parser.add_argument("--block-bytes", type=int, nargs="+", help="block sizes to measure")
+    parser.add_argument("--json", help="write the result here (else under results/)")
+    parser.add_argument(
+        "--compare-ucx", action="store_true", help="once per UCX transport choice (UCX_TLS)"
+    )
     args = parser.parse_args(argv)
-    if args.smoke:
+    if args.compare_ucx:
+        rows = compare_ucx(args.total_mib << 20, args.repeats, BLOCK_SIZES, UCX_CHOICES)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "transfer_ucx.json").write_text(json.dumps(rows, indent=2))
+        return 0
+    if args.block_bytes:
+        result = measure(args.total_mib << 20, args.repeats, args.block_bytes, [])
+    elif args.smoke:
         result = measure(4 << 20, 1, [64 << 10, 1 << 20], [1, 2])
     else:
         result = measure(args.total_mib << 20, args.repeats, BLOCK_SIZES, [1, 2, 4])
@@ -185,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['r']:>3} {row['nixl_merges_adjacent']!s:>6} {row['us_per_logical_block']:>17.1f}"
         )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0
     RESULTS.mkdir(exist_ok=True)
     name = "transfer_smoke.json" if args.smoke else "transfer.json"
     (RESULTS / name).write_text(json.dumps(result, indent=2))

@@ -22,7 +22,7 @@ VLLM_FLAVOR=${VLLM_FLAVOR:-cpu}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 extras="tiny"
-[[ "${1:-}" == "--test" ]] && extras="tiny,test,serve"
+[[ "${1:-}" == "--test" ]] && extras="tiny,test,serve,bench"
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 

@@ -59,6 +59,23 @@ def _log_dir_problem(args: argparse.Namespace) -> bool:
     return False
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """The benchmark suite lives in the repository's ``bench/`` (not in the wheel)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bench.__main__") is None:
+        print(
+            "error: the benchmark suite is the repository's bench/ directory, which is not "
+            "installed with the package; run this from a checkout of vllm-hybrid-nixl "
+            "(cd vllm-hybrid-nixl && vllm-hybrid-nixl bench)",
+            file=sys.stderr,
+        )
+        return 2
+    from bench.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.demo import DemoOptions, run_demo
 
@@ -285,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="write logs into a non-empty --log-dir"
     )
 
+    bench = sub.add_parser(
+        "bench",
+        help="the benchmark suite (python -m bench): ratios against stock NIXL, memcpy and "
+        "colocated serving; run from a checkout",
+    )
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="--smoke, --out DIR (see python -m bench -h)"
+    )
+
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
     defaults = TinyModelSpec()
     tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch)
@@ -305,6 +331,7 @@ COMMANDS = {
     "router": _cmd_router,
     "check": _cmd_check,
     "demo": _cmd_demo,
+    "bench": _cmd_bench,
     "make-tiny-model": _cmd_make_tiny_model,
 }
 

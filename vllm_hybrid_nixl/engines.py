@@ -22,7 +22,7 @@ from vllm_hybrid_nixl.keepalive import set_engine_keep_alive
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM when the process that started us dies (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -128,7 +128,7 @@ class EngineProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() reaches vLLM's children
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         return self
 

@@ -295,9 +295,15 @@ def router_engine_connections(deployment: PDDeployment) -> int:
     }
     return sum(
         1
-        for c in psutil.Process().net_connections(kind="tcp")
+        for c in psutil.Process(deployment.router.pid).net_connections(kind="tcp")
         if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
     )
+
+
+def loop_lag(deployment: PDDeployment) -> list[str]:
+    """The router's event-loop lag histogram, to tell a starved router from a failing engine."""
+    metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
+    return [line for line in metrics.splitlines() if line.startswith("router_event_loop_lag")]
 
 
 def test_64_concurrent_requests_all_answered_correctly_once(
@@ -310,8 +316,8 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     bodies = load_bodies(str(tiny_hybrid_model))
     expected = expected_texts(deployment, bodies)
     url = f"{deployment.router_url}/v1/completions"
-    rss_before = psutil.Process().memory_info().rss
     connections_before = router_engine_connections(deployment)  # health probes keep some
+    router_rss_before = psutil.Process(deployment.router.pid).memory_info().rss
     posts_before = decode_posts(deployment)
     reruns_before = request_reruns(deployment.router_url)
 
@@ -328,7 +334,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
         for b, (status, text) in zip(bodies, results, strict=True)
         if status != 200 or text != expected[(b["prompt"], b["max_tokens"])]
     ]
-    assert wrong == [], wrong
+    assert wrong == [], (wrong, loop_lag(deployment))
     # Every client got exactly one answer (above); the decode engines saw each request once,
     # plus whole-request re-runs after a broken decode link (which may not have arrived).
     reruns = request_reruns(deployment.router_url) - reruns_before
@@ -336,7 +342,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     assert len(bodies) <= posts <= len(bodies) + reruns
     print(
         f"\nLOAD 2P2D: {len(bodies)} concurrent requests, all correct, {elapsed:.1f}s, "
-        f"{reruns:.0f} whole-request re-runs"
+        f"{reruns:.0f} whole-request re-runs; router loop lag: {loop_lag(deployment)}"
     )
     # Back to baseline: nothing in flight, pooled connections expire, memory settles.
     time.sleep(3.0)
@@ -349,7 +355,8 @@ def test_64_concurrent_requests_all_answered_correctly_once(
         if line.startswith("router_engine_in_flight_legs{")
     ), metrics
     assert router_engine_connections(deployment) <= connections_before + 1
-    assert psutil.Process().memory_info().rss - rss_before < 64 * 2**20
+    router_rss = psutil.Process(deployment.router.pid).memory_info().rss
+    assert router_rss - router_rss_before < 64 * 2**20
 
 
 def engine(deployment: PDDeployment, name: str):

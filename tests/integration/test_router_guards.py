@@ -12,7 +12,7 @@ import pytest
 
 from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.server import RouterProcess, RouterServer
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
 pytestmark = pytest.mark.integration
@@ -35,8 +35,9 @@ def open_router() -> Iterator[RouterServer]:
 
 
 @pytest.fixture(scope="module")
-def keyed_router() -> Iterator[RouterServer]:
-    router = RouterServer(
+def keyed_router() -> Iterator[RouterProcess]:
+    """In a process of its own, as the Ray launcher runs it: the keys cross the spawn pipe."""
+    router = RouterProcess(
         BackendPool.from_urls([nowhere()], [nowhere()]),
         settings=SETTINGS.model_copy(update={"protect_probes": True}),
         keys=RouterKeys(api_key=KEY),
@@ -185,3 +186,25 @@ def test_probes_are_open_by_default_and_protected_on_request(
 def test_keys_stay_out_of_reprs() -> None:
     keys = RouterKeys(api_key=KEY, engine_api_key="sk-engine-secret")
     assert KEY not in repr(keys) and "sk-engine-secret" not in repr(keys)
+
+
+def test_router_process_runs_apart_and_stops_by_pid(keyed_router: RouterProcess) -> None:
+    import os
+
+    assert keyed_router.pid and keyed_router.pid != os.getpid()
+    metrics = httpx.get(f"{keyed_router.url}/metrics", headers=auth(KEY)).text
+    # its event loop is watched: lag samples accumulate while it idles
+    count = next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("router_event_loop_lag_seconds_count")
+    )
+    assert count > 0
+    spare = RouterProcess(BackendPool.from_urls([nowhere()], [nowhere()])).start()
+    pid = spare.pid
+    assert httpx.get(f"{spare.url}/health").status_code in (200, 503)
+    spare.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{spare.url}/health")

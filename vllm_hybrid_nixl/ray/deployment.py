@@ -18,7 +18,7 @@ from vllm_hybrid_nixl.ray.actors import EngineActor
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
-from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.server import RouterProcess
 from vllm_hybrid_nixl.router.settings import VLLM_ENGINE_KEY_ENV, RouterKeys, RouterSettings
 
 # Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
@@ -76,7 +76,7 @@ class PDDeployment:
         self.router_settings = router_settings or config.router
         self.keys = keys if keys is not None else RouterKeys.from_env()
         self.engines: list[EngineHandle] = []
-        self.router: RouterServer | None = None
+        self.router: RouterProcess | None = None
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-")
         self._started_ray = False
 
@@ -106,7 +106,7 @@ class PDDeployment:
         refuse_incompatible_pairs(pool)
         self._warm_up_pairs()
         ray.get([e.actor.supervise.remote() for e in self.engines], timeout=60)
-        self.router = RouterServer(
+        self.router = RouterProcess(
             pool,
             self.config.router_host,
             self.config.router_port,

@@ -24,6 +24,7 @@ from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.limits import BodyRejected, read_body
+from vllm_hybrid_nixl.router.loop_lag import watch_loop_lag
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.router.proxy import (
@@ -115,9 +116,7 @@ def build_app(
         limits = httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
-            # vLLM's server (uvicorn) closes idle connections after 5 s; httpx's default
-            # expiry is also 5 s, so a pooled connection could be reused just as the engine
-            # closes it (seen here: "engine unreachable: ReadError" on a prefill leg).
+            # well below the engines' keep-alive (see keepalive.py)
             keepalive_expiry=settings.keepalive_expiry_s,
         )
         async with httpx.AsyncClient(
@@ -125,13 +124,18 @@ def build_app(
         ) as client:
             proxy.client = client
             await probe_all(client)  # no leg goes to an engine not seen healthy
-            prober = asyncio.create_task(probe_forever(client))
+            watchers = [
+                asyncio.create_task(probe_forever(client)),
+                asyncio.create_task(watch_loop_lag(metrics.loop_lag)),
+            ]
             try:
                 yield
             finally:
-                prober.cancel()
-                with suppress(asyncio.CancelledError):
-                    await prober
+                for task in watchers:
+                    task.cancel()
+                for task in watchers:
+                    with suppress(asyncio.CancelledError):
+                        await task
 
     app = FastAPI(title="vllm-hybrid-nixl router", lifespan=lifespan)
     if keys.api_key:

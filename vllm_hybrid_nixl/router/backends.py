@@ -45,6 +45,10 @@ class BackendPool:
         self._decode_cycle = itertools.cycle(self.decode) if self.decode else None
         self._turn: dict[str, int] = {}
 
+    def __reduce__(self) -> tuple[type[BackendPool], tuple[list[Backend], list[Backend]]]:
+        """Pickled (for the router's own process) as its engines; rotation starts afresh."""
+        return (BackendPool, (self.prefill, self.decode))
+
     @classmethod
     def from_urls(
         cls,

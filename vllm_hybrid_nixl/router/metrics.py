@@ -59,3 +59,10 @@ class RouterMetrics:
             "Requests whose client went away before the answer; their legs were aborted",
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            "router_event_loop_lag_seconds",
+            "How late the router's event loop woke from a timed sleep: time it could not "
+            "serve (starved of CPU or blocked)",
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )

@@ -1,10 +1,13 @@
-"""Run the router with uvicorn: in a background thread (driver, tests) or in the foreground
-(CLI), with the header deadline and the engine-key check before it opens."""
+"""Run the router with uvicorn: in a process of its own (the Ray launcher), in a background
+thread (tests of the router itself) or in the foreground (CLI), with the header deadline and
+the engine-key check before it opens."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -73,3 +76,90 @@ class RouterServer:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=15)
+
+
+def _run_router_process(
+    pool: BackendPool,
+    host: str,
+    port: int,
+    settings: RouterSettings,
+    keys: RouterKeys,
+    ready: Any,
+) -> None:
+    """The router process: serve until SIGTERM; ``ready`` is set once it listens."""
+    from vllm_hybrid_nixl.engines import die_with_parent
+
+    die_with_parent()
+    server = uvicorn.Server(uvicorn_config(pool, host, port, settings, keys))
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            ready.set()
+
+    threading.Thread(target=announce, name="announce", daemon=True).start()
+    server.run()
+
+
+class RouterProcess:
+    """The router in a process of its own (same arguments as :class:`RouterServer`).
+
+    A process that launches engines (the Ray driver of ``serve``) does other work; in its own
+    process the router's event loop has a GIL to itself. Measured here, a router thread in
+    the driver of a 2P2D test stalled for seconds (``router_event_loop_lag_seconds``) and its
+    connect timeouts fired against healthy engines. The keys reach the child through the
+    spawn pipe, not argv or the environment. Stopped by its PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        settings: RouterSettings | None = None,
+        keys: RouterKeys | None = None,
+    ) -> None:
+        if port == 0:
+            port = free_port(host)
+        self.host, self.port = host, port
+        self.pool = pool
+        self.settings = settings or RouterSettings()
+        self.keys = keys or RouterKeys()
+        context = multiprocessing.get_context("spawn")
+        self._ready = context.Event()
+        self._process = context.Process(
+            target=_run_router_process,
+            args=(pool, host, port, self.settings, self.keys, self._ready),
+            name="vllm-hybrid-nixl-router",
+            daemon=True,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self, timeout_s: float = 60.0) -> RouterProcess:
+        check_engine_access(self.pool.all(), self.keys, self.settings.health_timeout_s)
+        self._process.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.1):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"router did not start on {self.url} (exit code {self._process.exitcode})"
+                )
+        return self
+
+    def stop(self) -> None:
+        if self._process.pid is None:
+            return
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=15)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=5)

@@ -1,0 +1,84 @@
+"""``vllm-hybrid-nixl bench --smoke`` as users run it (a process, from the checkout): every
+section runs for real — registration with real NIXL agents, a NIXL READ between two
+processes, engines and the router on 127.0.0.1 — and writes well-formed results. Timings are
+not asserted (they belong to the full run, reported as ratios); shapes, signs and sanity are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.bench
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
+
+
+def finite_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run(
+        [SCRIPT, "bench", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "== end to end" in done.stderr  # progress is shown section by section
+    return out
+
+
+def test_headline_numbers_with_date_commit_and_machine(results: Path) -> None:
+    top = json.loads((results / "latest_smoke.json").read_text())
+    for key in (
+        "register_ratio",
+        "transfer_vs_memcpy",
+        "pd_vs_colocated_ttft_ratio",
+        "pd_vs_colocated_itl_ratio",
+        "pd_vs_colocated_tokens_per_s_ratio",
+    ):
+        assert finite_positive(top[key]), (key, top[key])
+    assert math.isfinite(top["router_overhead_ms_p50"])  # may be negative: noise around 0
+    assert top["machine"]["cores"] >= 1 and top["machine"]["memory_gib"] > 0
+    assert len(top["commit"]) >= 7 and top["date"].startswith("20")
+    assert finite_positive(top["ttft_ms_per_1k_prompt_tokens"]["colocated"])
+
+
+def test_sections_are_complete(results: Path) -> None:
+    registration = json.loads((results / "registration_cost_smoke.json").read_text())
+    assert [row["layers"] for row in registration] == [8]
+    assert all(finite_positive(row[k]) for row in registration for k in ("ours_ms", "stock_ms"))
+    moved = json.loads((results / "transfer_smoke.json").read_text())
+    assert [row["block_bytes"] for row in moved["blocks"]] == [64 << 10, 1 << 20]
+    assert all(finite_positive(row["nixl_gbs"]) for row in moved["blocks"])
+    # the HMA forms: r descriptors per logical block, each measured with and without merging
+    assert {(row["r"], row["nixl_merges_adjacent"]) for row in moved["forms"]} == {
+        (1, True), (1, False), (2, True), (2, False),
+    }  # fmt: skip
+    e2e = json.loads((results / "end_to_end_smoke.json").read_text())
+    [row] = e2e["rows"]
+    for way in ("router", "client_legs", "colocated"):
+        assert finite_positive(row[way]["ttft_p50_s"]) and finite_positive(row[way]["p50_s"])
+        assert row[way]["ttft_p50_s"] <= row[way]["p50_s"]
+    tokens = [r["prompt_tokens"] for r in e2e["prompt_scaling"]["rows"]]
+    assert len(tokens) == 2 and tokens[0] < tokens[1]
+
+
+def test_report_table_and_plot(results: Path) -> None:
+    report = (results / "latest_smoke.md").read_text()
+    assert "| registration: layers |" in report and "| end to end: concurrent |" in report
+    png = (results / "latest_smoke.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
