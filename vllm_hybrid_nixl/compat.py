@@ -217,7 +217,18 @@ def stock_splits_first_dimension(worker: Any, first_shape: tuple[int, ...]) -> b
 def side_channel_wants_pp_rank() -> bool:
     """Whether this release's NIXL side channel expects ``(msg, pp_rank, tp_rank)`` (0.26+,
     with pipeline-parallel handshakes) rather than ``(msg, tp_rank)`` (0.24-0.25). A request
-    in the other form kills the listener thread of the engine that receives it."""
+    in the other form kills the listener thread of the engine that receives it.
+
+    Read from the installed release's version, not from its worker: importing vLLM takes
+    15-50 s here, too slow for a router's start-up. ``handshake_takes_pp_rank`` looks at the
+    worker itself; the tests hold the two equal on every release of the matrix."""
+    found = installed_vllm()
+    return found is None or found.version.release >= (0, 26)
+
+
+def handshake_takes_pp_rank() -> bool:
+    """From the installed worker itself: does its ``_nixl_handshake`` take the remote PP size
+    (the release whose side channel speaks the pp_rank form)? Imports vLLM."""
     worker_module = importlib.import_module(f"{NIXL_PACKAGE}.base_worker")
     handshake = worker_module.NixlBaseConnectorWorker._nixl_handshake
     return "remote_pp_size" in inspect.signature(handshake).parameters

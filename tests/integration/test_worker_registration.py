@@ -275,3 +275,11 @@ def test_kv_leading_cache_moves_both_halves_or_is_refused(setup: harness.ModelSe
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_side_channel_request_form_read_from_the_version_matches_the_worker() -> None:
+    """The router picks the side-channel request form from vLLM's version (no vLLM import);
+    the installed worker's own handshake signature must agree (run on each matrix release)."""
+    from vllm_hybrid_nixl import compat
+
+    assert compat.side_channel_wants_pp_rank() == compat.handshake_takes_pp_rank()

@@ -4,10 +4,11 @@ the engine-key check before it opens."""
 
 from __future__ import annotations
 
-import multiprocessing
+import pickle
+import subprocess
+import sys
 import threading
 import time
-from typing import Any
 
 import uvicorn
 
@@ -17,6 +18,8 @@ from vllm_hybrid_nixl.router.auth import check_engine_access
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.limits import uvicorn_http_protocol
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+
+READY_LINE = b"router listening"
 
 
 def uvicorn_config(
@@ -78,38 +81,17 @@ class RouterServer:
             self._thread.join(timeout=15)
 
 
-def _run_router_process(
-    pool: BackendPool,
-    host: str,
-    port: int,
-    settings: RouterSettings,
-    keys: RouterKeys,
-    ready: Any,
-) -> None:
-    """The router process: serve until SIGTERM; ``ready`` is set once it listens."""
-    from vllm_hybrid_nixl.engines import die_with_parent
-
-    die_with_parent()
-    server = uvicorn.Server(uvicorn_config(pool, host, port, settings, keys))
-
-    def announce() -> None:
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
-        if server.started:
-            ready.set()
-
-    threading.Thread(target=announce, name="announce", daemon=True).start()
-    server.run()
-
-
 class RouterProcess:
     """The router in a process of its own (same arguments as :class:`RouterServer`).
 
     A process that launches engines (the Ray driver of ``serve``) does other work; in its own
     process the router's event loop has a GIL to itself. Measured here, a router thread in
     the driver of a 2P2D test stalled for seconds (``router_event_loop_lag_seconds``) and its
-    connect timeouts fired against healthy engines. The keys reach the child through the
-    spawn pipe, not argv or the environment. Stopped by its PID (SIGTERM, then SIGKILL)."""
+    connect timeouts fired against healthy engines. The child is ``python -m
+    vllm_hybrid_nixl.router.process`` (not a multiprocessing spawn, which would re-run the
+    caller's main module); its settings and keys reach it on stdin, never argv or the
+    environment. It prints one line when it listens. Stopped by its PID (SIGTERM, then
+    SIGKILL), and it dies with its parent."""
 
     def __init__(
         self,
@@ -125,14 +107,7 @@ class RouterProcess:
         self.pool = pool
         self.settings = settings or RouterSettings()
         self.keys = keys or RouterKeys()
-        context = multiprocessing.get_context("spawn")
-        self._ready = context.Event()
-        self._process = context.Process(
-            target=_run_router_process,
-            args=(pool, host, port, self.settings, self.keys, self._ready),
-            name="vllm-hybrid-nixl-router",
-            daemon=True,
-        )
+        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -140,26 +115,47 @@ class RouterProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._process.pid if self._process else None
 
-    def start(self, timeout_s: float = 60.0) -> RouterProcess:
+    def start(self, timeout_s: float = 120.0) -> RouterProcess:
+        from vllm_hybrid_nixl.engines import die_with_parent
+
         check_engine_access(self.pool.all(), self.keys, self.settings.health_timeout_s)
-        self._process.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(0.1):
-            if not self._process.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"router did not start on {self.url} (exit code {self._process.exitcode})"
-                )
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "vllm_hybrid_nixl.router.process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=die_with_parent,
+        )
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(
+            pickle.dumps((self.pool, self.host, self.port, self.settings, self.keys))
+        )
+        self._process.stdin.close()
+        ready = threading.Event()
+
+        def wait_for_line() -> None:
+            assert self._process is not None and self._process.stdout is not None
+            if self._process.stdout.readline().startswith(READY_LINE):
+                ready.set()
+
+        threading.Thread(target=wait_for_line, name="router-ready", daemon=True).start()
+        if not ready.wait(timeout_s):
+            code = self._process.poll()
+            self.stop()
+            raise RuntimeError(
+                f"router did not start on {self.url} within {timeout_s:.0f}s"
+                + (f" (it exited with code {code})" if code is not None else "")
+            )
         return self
 
     def stop(self) -> None:
-        if self._process.pid is None:
+        if self._process is None:
             return
-        if self._process.is_alive():
+        if self._process.poll() is None:
             self._process.terminate()
-            self._process.join(timeout=15)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout=5)
+            try:
+                self._process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=5)
