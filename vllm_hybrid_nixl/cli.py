@@ -150,7 +150,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
     from vllm_hybrid_nixl.router import BackendPool
     from vllm_hybrid_nixl.router.auth import EngineAccessError, check_engine_access
-    from vllm_hybrid_nixl.router.server import uvicorn_config
+    from vllm_hybrid_nixl.router.server import configure_router_logging, uvicorn_config
     from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
     try:
@@ -182,6 +182,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if unreachable:
         print(f"warning: not reachable yet: {', '.join(unreachable)}", file=sys.stderr)
     print(f"router: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    configure_router_logging()
     uvicorn.Server(uvicorn_config(pool, args.host, args.port, settings, keys)).run()
     return 0
 

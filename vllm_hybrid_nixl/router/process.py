@@ -11,11 +11,12 @@ import time
 
 import uvicorn
 
-from vllm_hybrid_nixl.router.server import READY_LINE, uvicorn_config
+from vllm_hybrid_nixl.router.server import READY_LINE, configure_router_logging, uvicorn_config
 
 
 def main() -> None:
     pool, host, port, settings, keys = pickle.loads(sys.stdin.buffer.read())
+    configure_router_logging()
     server = uvicorn.Server(uvicorn_config(pool, host, port, settings, keys))
 
     def announce() -> None:

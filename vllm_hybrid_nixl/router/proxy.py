@@ -156,6 +156,7 @@ class Disaggregator:
         self.pool, self.pairing, self.health = pool, pairing, health
         self.metrics, self.settings = metrics, settings
         self.client: httpx.AsyncClient | None = None
+        self.leg_clients: dict[str, httpx.AsyncClient] = {}  # engine URL -> its own pool
 
     # ---- one leg -------------------------------------------------------------------
 
@@ -163,18 +164,17 @@ class Disaggregator:
         self, leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
     ) -> httpx.Response:
         assert self.client is not None, "the router's lifespan sets the client"
+        client = self.leg_clients.get(backend.url, self.client)
         settings = self.settings
         timeout = httpx.Timeout(
             settings.prefill_timeout_s if leg == "prefill" else settings.decode_read_timeout_s,
             connect=settings.connect_timeout_s,
         )
-        request = self.client.build_request(
-            "POST", f"{backend.url}{path}", json=body, timeout=timeout
-        )
+        request = client.build_request("POST", f"{backend.url}{path}", json=body, timeout=timeout)
         started = time.perf_counter()
         self.leg_started(backend)
         try:
-            response = await self.client.send(request, stream=stream)
+            response = await client.send(request, stream=stream)
         except httpx.TimeoutException as exc:
             raise self._failed(
                 LegError(

@@ -4,6 +4,7 @@ the engine-key check before it opens."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import subprocess
 import sys
@@ -20,6 +21,14 @@ from vllm_hybrid_nixl.router.limits import uvicorn_http_protocol
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
 READY_LINE = b"router listening"
+
+
+def configure_router_logging() -> None:
+    """Timestamped router log lines on stderr, for a process that runs only the router."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per leg
 
 
 def uvicorn_config(

@@ -30,7 +30,7 @@ class RouterSettings(BaseModel):
         300.0, gt=0, description="longest silence while reading the decode answer"
     )
     health_timeout_s: float = Field(3.0, gt=0, description="for /health and /v1/models probes")
-    max_connections: int = Field(256, ge=1, description="pooled connections to the engines")
+    max_connections: int = Field(256, ge=1, description="pooled connections to each engine")
     # Far below the engines' keep-alive (75 s for engines we start, see keepalive.py; vLLM's
     # default is 5 s): a router busy relaying learns late that a response ended.
     keepalive_expiry_s: float = Field(
