@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
@@ -60,17 +61,18 @@ def _log_dir_problem(args: argparse.Namespace) -> bool:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """The benchmark suite lives in the repository's ``bench/`` (not in the wheel)."""
-    import importlib.util
-
-    if importlib.util.find_spec("bench.__main__") is None:
+    """The benchmark suite is the repository's ``bench/`` (not in the wheel): run it from a
+    checkout's root."""
+    root = Path.cwd()
+    if not ((root / "bench" / "__main__.py").is_file() and (root / "vllm_hybrid_nixl").is_dir()):
         print(
             "error: the benchmark suite is the repository's bench/ directory, which is not "
-            "installed with the package; run this from a checkout of vllm-hybrid-nixl "
-            "(cd vllm-hybrid-nixl && vllm-hybrid-nixl bench)",
+            f"installed with the package, and {root} is not a checkout of vllm-hybrid-nixl; "
+            "run this from the checkout's root (cd vllm-hybrid-nixl && vllm-hybrid-nixl bench)",
             file=sys.stderr,
         )
         return 2
+    sys.path.insert(0, str(root))
     from bench.__main__ import main as bench_main
 
     return bench_main(args.bench_args)
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
         launch(argv[1:])  # `vllm ...` with every argument passed through
         return 0
+    if argv and argv[0] == "bench" and not {"-h", "--help"} & set(argv[1:2]):
+        return _cmd_bench(argparse.Namespace(bench_args=argv[1:]))  # its own options
     args = build_parser().parse_args(argv)
     if getattr(args, "engine_args", None) and args.engine_args[0] == "--":
         args.engine_args = args.engine_args[1:]

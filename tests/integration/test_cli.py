@@ -94,3 +94,13 @@ def test_commands_refuse_a_non_empty_log_dir_before_starting_anything(
     assert "is not empty; choose an empty or new directory for --log-dir" in out.stderr
     assert [p.name for p in logs.iterdir()] == ["old.log"]
     assert (logs / "old.log").read_text() == "from last week"
+
+
+def test_bench_outside_a_checkout_says_where_to_run_it(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [str(SCRIPT), "bench", "--smoke"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "is not a checkout of vllm-hybrid-nixl" in done.stderr
+    assert "cd vllm-hybrid-nixl && vllm-hybrid-nixl bench" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -90,6 +90,10 @@ def build_app(
     proxy = Disaggregator(pool, pairing, health, metrics, settings)
 
     async def probe(client: httpx.AsyncClient, backend: Backend) -> None:
+        # Through the engine's own leg pool: the probe also closes that pool's expired
+        # connections (httpx prunes a pool only when it is used), so idle engine
+        # connections go back to one per engine between bursts.
+        client = proxy.leg_clients.get(backend.url, client)
         try:
             response = await client.get(f"{backend.url}/health", timeout=settings.health_timeout_s)
             ok, detail = response.status_code == 200, f"/health: HTTP {response.status_code}"
