@@ -119,6 +119,7 @@ class HybridRegistrationMixin:
         # on a box ends up computing on the same core. Keep the binding the engine chose.
         affinity = os.sched_getaffinity(0)
         threads_before = thread_priority.thread_ids()
+        compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
         super().__init__(*args, **kwargs)
         self._idle_busy_new_threads(thread_priority.thread_ids() - threads_before)
         if os.sched_getaffinity(0) != affinity:
