@@ -5,7 +5,8 @@ block) — side by side in one run.
 A *holder* process (the prefill side) registers a DRAM buffer with its NIXL agent; the bench
 process (the decode side) registers its own and READs from it, the way vLLM's worker does:
 descriptor lists prepared once (``prep_xfer_dlist``), transfers made from block indices
-(``make_prepped_xfer``). memcpy: ``torch`` copies of the same blocks in one process.
+(``make_prepped_xfer``). memcpy: one ``torch`` copy of the same bytes in one process (the
+limit a transfer on one host can reach).
 
     python -m bench.transfer [--total-mib 64] [--repeats 5] [--smoke]
 
@@ -34,9 +35,17 @@ UCX_CHOICES = [None, "tcp,self", "posix,self", "cma,self", "sm,self"]
 
 
 def _agent(name: str):
+    """A NIXL agent whose busy-polling progress thread runs at idle priority, as our worker
+    sets it on CPU engines: with two agents spinning on two cores, memcpy itself fell to a
+    tenth of its speed and both figures meant nothing."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    from vllm_hybrid_nixl import thread_priority
+
+    before = thread_priority.thread_ids()
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    thread_priority.make_idle(thread_priority.busy_threads(thread_priority.thread_ids() - before))
+    return agent
 
 
 def _holder(total: int, conn) -> None:
@@ -98,11 +107,10 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
                 _wait(agent, handle)
                 nixl_s.append(time.perf_counter() - started)
                 agent.release_xfer_handle(handle)
+                # The anchor is the machine's copy bandwidth: the same bytes in one copy (a
+                # Python loop of per-block copies would measure the loop, not memory).
                 started = time.perf_counter()
-                for i in range(count):
-                    memcpy_dst[i * size : (i + 1) * size].copy_(
-                        memcpy_src[i * size : (i + 1) * size]
-                    )
+                memcpy_dst.copy_(memcpy_src)
                 copy_s.append(time.perf_counter() - started)
             if int(local[:4096].sum()) != checksum:
                 raise RuntimeError("NIXL READ did not bring the holder's bytes")
