@@ -65,6 +65,10 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
         "register_ratio": register_row["ratio"],
         "register_layers": register_row["layers"],
         "transfer_vs_memcpy": statistics.median(large or [r["ratio"] for r in moved["blocks"]]),
+        "transfer_vs_one_core_memcpy": statistics.median(
+            [r["ratio_one_core"] for r in moved["blocks"] if r["block_bytes"] >= 256 << 10]
+            or [r["ratio_one_core"] for r in moved["blocks"]]
+        ),
         "router_overhead_ms_p50": single["router_overhead_ms_p50"],
         "pd_vs_colocated_ttft_ratio": single["pd_vs_colocated_ttft"],
         "pd_vs_colocated_itl_ratio": single["pd_vs_colocated_itl"],
@@ -92,13 +96,25 @@ def table(registration: list[dict], moved: dict, e2e: dict) -> str:
         f"| {r['layers']} | {r['ours_ms']:.1f} | {r['stock_ms']:.1f} | {r['ratio']:.3f} |"
         for r in registration
     ]
-    lines += ["", "| transfer: block | descriptors | NIXL GB/s | memcpy GB/s | NIXL / memcpy |"]
-    lines += ["|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| transfer: block | descriptors | NIXL GB/s | memcpy GB/s | NIXL / memcpy | "
+        "memcpy one core GB/s | NIXL / one core |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [
         f"| {r['block_bytes'] >> 10} KiB | {r['descriptors']} | {r['nixl_gbs']:.2f} | "
-        f"{r['memcpy_gbs']:.2f} | {r['ratio']:.2f} |"
+        f"{r['memcpy_gbs']:.2f} | {r['ratio']:.2f} | {r['memcpy_one_core_gbs']:.2f} | "
+        f"{r['ratio_one_core']:.2f} |"
         for r in moved["blocks"]
     ]
+    if moved.get("ucx"):
+        lines += ["", "| UCX_TLS | NIXL / memcpy (median) |", "|---|---|"]
+        lines += [
+            f"| `{r['ucx_tls']}` | "
+            + (f"{r['median_ratio']:.2f} |" if "median_ratio" in r else f"fails: {r['error']} |")
+            for r in moved["ucx"]
+        ]
     lines += ["", "| HMA form: r | NIXL merges adjacent | µs per 256 KiB logical block |"]
     lines += ["|---|---|---|"]
     lines += [
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         [1] if args.smoke else [1, 8, 32],
         1 if args.smoke else 3,
         8 if args.smoke else 16,
-        scaling_words=[4, 40] if args.smoke else [4, 32, 64, 96, 128],
+        scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
     )
     suffix = "_smoke" if args.smoke else ""
     for name, data in (

@@ -17,6 +17,7 @@ in a fresh process, to show which transport UCX picks on one host and what each 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 # UCX transport choices compared by --compare-ucx: None leaves UCX to pick (what engines do).
-UCX_CHOICES = [None, "tcp,self", "posix,self", "cma,self", "sm,self"]
+UCX_CHOICES = [None, "tcp,self", "sm,tcp,self", "posix,tcp,self", "cma,tcp,self", "posix,self"]
 
 
 def _agent(name: str):
@@ -81,11 +82,14 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
     parent, child = mp.get_context("spawn").Pipe()
     holder = mp.get_context("spawn").Process(target=_holder, args=(total, child), daemon=True)
     holder.start()
+    agent = registered = remote = None
     try:
+        if not parent.poll(120):  # a holder that died (e.g. a UCX transport that cannot run)
+            raise RuntimeError(f"the holder process gave no NIXL metadata (exit {holder.exitcode})")
         metadata, remote_base, checksum = parent.recv()
         agent = _agent(f"reader-{uuid.uuid4().hex[:6]}")
         local = torch.zeros(total, dtype=torch.uint8)
-        agent.register_memory(local)
+        registered = agent.register_memory(local)
         remote = agent.add_remote_agent(metadata)
         memcpy_src = torch.randint(0, 255, (total,), dtype=torch.uint8)
         memcpy_dst = torch.zeros_like(memcpy_src)
@@ -93,7 +97,7 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
         local.fill_(1)
         rows = []
         for size in block_sizes:
-            nixl_s, copy_s = [], []
+            nixl_s, copy_s, one_core_s = [], [], []
             count = total // size
             local_side = agent.prep_xfer_dlist("", _descs(local.data_ptr(), total, size), "DRAM")
             remote_side = agent.prep_xfer_dlist(remote, _descs(remote_base, total, size), "DRAM")
@@ -112,10 +116,18 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
                 started = time.perf_counter()
                 memcpy_dst.copy_(memcpy_src)
                 copy_s.append(time.perf_counter() - started)
+                # ... and on one core, as UCX's single-copy transport (cma) moves bytes
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                started = time.perf_counter()
+                memcpy_dst.copy_(memcpy_src)
+                one_core_s.append(time.perf_counter() - started)
+                torch.set_num_threads(threads)
             if int(local[:4096].sum()) != checksum:
                 raise RuntimeError("NIXL READ did not bring the holder's bytes")
             nixl_gbs = total / statistics.median(nixl_s) / 1e9
             copy_gbs = total / statistics.median(copy_s) / 1e9
+            one_core_gbs = total / statistics.median(one_core_s) / 1e9
             rows.append(
                 {
                     "block_bytes": size,
@@ -123,6 +135,8 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
                     "nixl_gbs": nixl_gbs,
                     "memcpy_gbs": copy_gbs,
                     "ratio": nixl_gbs / copy_gbs,
+                    "memcpy_one_core_gbs": one_core_gbs,
+                    "ratio_one_core": nixl_gbs / one_core_gbs,
                 }
             )
             print(
@@ -135,6 +149,13 @@ def measure(total: int, repeats: int, block_sizes: list[int], ratios: list[int])
             agent.release_dlist_handle(remote_side)
         forms = _forms(agent, remote, local, remote_base, total, repeats, ratios)
     finally:
+        if agent is not None:  # its progress thread spins until the agent is gone
+            if remote is not None:
+                agent.remove_remote_agent(remote)
+            if registered is not None:
+                agent.deregister_memory(registered)
+            del agent
+            gc.collect()
         parent.send("stop")
         holder.join(timeout=30)
     return {"total_bytes": total, "blocks": rows, "forms": forms}
@@ -191,20 +212,24 @@ def compare_ucx(
             sizes = [str(size) for size in block_sizes]
             command = [sys.executable, "-m", "bench.transfer", "--total-mib", str(total >> 20)]
             command += ["--repeats", str(repeats), "--block-bytes", *sizes, "--json", str(out)]
-            done = subprocess.run(
-                command,
-                env=env,
-                cwd=Path(__file__).parent.parent,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
             row: dict = {"ucx_tls": choice or "(UCX picks)"}
-            if done.returncode == 0:
-                row["blocks"] = json.loads(out.read_text())["blocks"]
-                row["median_ratio"] = statistics.median(b["ratio"] for b in row["blocks"])
+            try:
+                done = subprocess.run(
+                    command,
+                    env=env,
+                    cwd=Path(__file__).parent.parent,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except subprocess.TimeoutExpired:
+                row["error"] = "did not finish within 300 s"
             else:
-                row["error"] = (done.stderr.strip().splitlines() or ["exit code"])[-1][-300:]
+                if done.returncode == 0:
+                    row["blocks"] = json.loads(out.read_text())["blocks"]
+                    row["median_ratio"] = statistics.median(b["ratio"] for b in row["blocks"])
+                else:
+                    row["error"] = (done.stderr.strip().splitlines() or ["exit code"])[-1][-300:]
         print(
             f"  UCX_TLS={row['ucx_tls']}: "
             + (f"{row['median_ratio']:.2f}x memcpy" if "blocks" in row else row["error"]),
