@@ -35,6 +35,7 @@ import httpx
 RESULTS = Path(__file__).parent / "results"
 WAYS = ("router", "client_legs", "colocated")
 MAX_MODEL_LEN = 1024
+SINGLE_REQUEST_ROUNDS = 5  # rounds multiplier at concurrency 1
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,7 +102,9 @@ def measure(
     rows = []
     for c in concurrency:
         samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
-        for r in range(rounds):
+        # One request at a time gives one sample per round: take more rounds there, the P/D
+        # path's latency is heavy-tailed (stalls of hundreds of ms) on a shared 2-core box.
+        for r in range(rounds * SINGLE_REQUEST_ROUNDS if c == 1 else rounds):
             for way in WAYS:
                 bodies = bodies_for(model, c, max_tokens, words=8 + r)
                 samples[way] += asyncio.run(one_round(way, urls, bodies))
