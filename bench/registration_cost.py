@@ -25,7 +25,6 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
-    from vllm_hybrid_nixl import thread_priority
     from vllm_hybrid_nixl.testing import worker_harness as harness
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
     from vllm_hybrid_nixl.worker import HybridNixlPullWorker
@@ -39,13 +38,8 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
         caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=0).views
         for _ in range(repeats):
             for name, cls in (("ours", HybridNixlPullWorker), ("stock", NixlPullConnectorWorker)):
-                before = thread_priority.thread_ids()
                 with set_current_vllm_config(setup.vllm_config):
                     worker = cls(setup.vllm_config, str(uuid.uuid4()), setup.kv_cache_config)
-                # Both workers' NIXL progress threads idle (ours does it itself on CPU), so
-                # neither timing is taken next to a thread spinning on the other core.
-                new = thread_priority.thread_ids() - before
-                thread_priority.make_idle(thread_priority.busy_threads(new))
                 try:
                     started = time.perf_counter()
                     worker.register_kv_caches(caches)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -121,7 +122,10 @@ class HybridRegistrationMixin:
         threads_before = thread_priority.thread_ids()
         compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
         super().__init__(*args, **kwargs)
-        self._idle_busy_new_threads(thread_priority.thread_ids() - threads_before)
+        # Idled only after registration (see register_kv_caches): registering memory waits on
+        # NIXL's progress thread, and at idle priority beside a busy thread on its core (a
+        # stock NIXL engine's spinning one, here in CI) registration hung for minutes.
+        self._nixl_threads = thread_priority.thread_ids() - threads_before
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
             logger.info(
@@ -186,6 +190,12 @@ class HybridRegistrationMixin:
         )
         super().register_kv_caches(for_registration)  # type: ignore[misc]
         self._install_fingerprint()
+        threading.Thread(  # samples CPU for 0.5 s: off the registration path
+            target=self._idle_busy_new_threads,
+            args=(getattr(self, "_nixl_threads", set()),),
+            name="idle-nixl-progress",
+            daemon=True,
+        ).start()
 
     def _as_the_base_reads_them(
         self, kv_caches: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
