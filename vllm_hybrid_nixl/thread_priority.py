@@ -46,3 +46,15 @@ def make_idle(tids: list[int]) -> list[int]:
         except (OSError, AttributeError):
             continue
     return done
+
+
+def make_normal(tids: list[int]) -> list[int]:
+    """Give each thread back the normal policy (SCHED_OTHER); returns those that took it."""
+    done = []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            done.append(tid)
+        except (OSError, AttributeError):
+            continue
+    return done

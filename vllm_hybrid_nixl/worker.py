@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -122,10 +121,9 @@ class HybridRegistrationMixin:
         threads_before = thread_priority.thread_ids()
         compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
         super().__init__(*args, **kwargs)
-        # Idled only after registration (see register_kv_caches): registering memory waits on
-        # NIXL's progress thread, and at idle priority beside a busy thread on its core (a
-        # stock NIXL engine's spinning one, here in CI) registration hung for minutes.
-        self._nixl_threads = thread_priority.thread_ids() - threads_before
+        self._idle_threads = self._idle_busy_new_threads(
+            thread_priority.thread_ids() - threads_before
+        )
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
             logger.info(
@@ -134,7 +132,7 @@ class HybridRegistrationMixin:
                 sorted(affinity),
             )
 
-    def _idle_busy_new_threads(self, new_threads: set[int]) -> None:
+    def _idle_busy_new_threads(self, new_threads: set[int]) -> list[int]:
         """Idle priority for the threads vLLM's worker started that spin (NIXL's progress
         thread). On by default with a CPU KV buffer; ``kv_connector_extra_config``
         ``idle_progress_thread`` (true/false) decides explicitly."""
@@ -146,7 +144,7 @@ class HybridRegistrationMixin:
         if config is not None:
             wanted = bool(config.get_from_extra_config("idle_progress_thread", default))
         if not wanted or not new_threads:
-            return
+            return []
         idle = thread_priority.make_idle(thread_priority.busy_threads(new_threads))
         if idle:
             logger.info(
@@ -155,6 +153,7 @@ class HybridRegistrationMixin:
                 len(idle),
                 idle,
             )
+        return idle
 
     #: "pull" (decode READs) or "push" (prefill WRITEs); part of the layout fingerprint.
     transfer_mode: str = "pull"
@@ -188,14 +187,16 @@ class HybridRegistrationMixin:
             len({item.layer.group_id for item in self.validated_layers}),
             self.layout_check_seconds * 1e3,
         )
-        super().register_kv_caches(for_registration)  # type: ignore[misc]
+        # Registering memory waits on NIXL's progress thread: at idle priority beside a busy
+        # thread on its core (a stock NIXL engine's spinning one, in CI) registration hung for
+        # minutes. Normal priority while registering, idle again afterwards.
+        idle = getattr(self, "_idle_threads", [])
+        thread_priority.make_normal(idle)
+        try:
+            super().register_kv_caches(for_registration)  # type: ignore[misc]
+        finally:
+            thread_priority.make_idle(idle)
         self._install_fingerprint()
-        threading.Thread(  # samples CPU for 0.5 s: off the registration path
-            target=self._idle_busy_new_threads,
-            args=(getattr(self, "_nixl_threads", set()),),
-            name="idle-nixl-progress",
-            daemon=True,
-        ).start()
 
     def _as_the_base_reads_them(
         self, kv_caches: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
