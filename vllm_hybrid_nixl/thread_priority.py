@@ -36,25 +36,22 @@ def busy_threads(candidates: set[int], sample_s: float = 0.5, share: float = 0.1
     return sorted(tid for tid in candidates if cpu_seconds(tid) - before[tid] >= share * sample_s)
 
 
-def make_idle(tids: list[int]) -> list[int]:
-    """Give each thread SCHED_IDLE; returns those that took it."""
+def _set_policy(tids: list[int], policy: int) -> list[int]:
     done = []
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
             done.append(tid)
         except (OSError, AttributeError):
             continue
     return done
+
+
+def make_idle(tids: list[int]) -> list[int]:
+    """Give each thread SCHED_IDLE; returns those that took it."""
+    return _set_policy(tids, os.SCHED_IDLE)
 
 
 def make_normal(tids: list[int]) -> list[int]:
     """Give each thread back the normal policy (SCHED_OTHER); returns those that took it."""
-    done = []
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            done.append(tid)
-        except (OSError, AttributeError):
-            continue
-    return done
+    return _set_policy(tids, os.SCHED_OTHER)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -45,11 +46,9 @@ def uvicorn_config(
     )
 
 
-class RouterServer:
-    """A router bound to ``host:port`` (port 0 picks a free one), stoppable.
-
-    ``start()`` first asks every engine for ``/v1/models`` with the engine key and raises
-    :class:`~vllm_hybrid_nixl.router.auth.EngineAccessError` if one refuses it."""
+class _RouterSetup:
+    """What both ways of running the router take: engines, address (port 0 picks a free
+    one), settings and keys."""
 
     def __init__(
         self,
@@ -65,14 +64,24 @@ class RouterServer:
         self.pool = pool
         self.settings = settings or RouterSettings()
         self.keys = keys or RouterKeys()
-        config = uvicorn_config(pool, host, port, self.settings, self.keys)
-        self.app = config.app
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+class RouterServer(_RouterSetup):
+    """A router bound to ``host:port`` (port 0 picks a free one), stoppable.
+
+    ``start()`` first asks every engine for ``/v1/models`` with the engine key and raises
+    :class:`~vllm_hybrid_nixl.router.auth.EngineAccessError` if one refuses it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = uvicorn_config(self.pool, self.host, self.port, self.settings, self.keys)
+        self.app = config.app
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> RouterServer:
         check_engine_access(self.pool.all(), self.keys, self.settings.health_timeout_s)
@@ -90,7 +99,7 @@ class RouterServer:
             self._thread.join(timeout=15)
 
 
-class RouterProcess:
+class RouterProcess(_RouterSetup):
     """The router in a process of its own (same arguments as :class:`RouterServer`).
 
     A process that launches engines (the Ray driver of ``serve``) does other work; in its own
@@ -102,25 +111,9 @@ class RouterProcess:
     environment. It prints one line when it listens. Stopped by its PID (SIGTERM, then
     SIGKILL), and it dies with its parent."""
 
-    def __init__(
-        self,
-        pool: BackendPool,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        settings: RouterSettings | None = None,
-        keys: RouterKeys | None = None,
-    ) -> None:
-        if port == 0:
-            port = free_port(host)
-        self.host, self.port = host, port
-        self.pool = pool
-        self.settings = settings or RouterSettings()
-        self.keys = keys or RouterKeys()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
