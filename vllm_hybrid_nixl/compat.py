@@ -236,3 +236,41 @@ def handshake_takes_pp_rank() -> bool:
     worker_module = importlib.import_module(f"{NIXL_PACKAGE}.base_worker")
     handshake = worker_module.NixlBaseConnectorWorker._nixl_handshake
     return "remote_pp_size" in inspect.signature(handshake).parameters
+
+
+# ---- the KV lease guard's hooks into vLLM's lease and failure paths ------------------------
+
+
+def extend_stock_lease(connector_scheduler: Any, seconds: float) -> bool:
+    """Give vLLM's own send-side lease ``seconds`` (0.24-0.33 keep it on the scheduler as
+    ``_kv_lease_duration``) so that the lease guard's table, not vLLM's worker, decides when
+    a finished request's blocks are freed. Returns whether this release has that lease."""
+    if not hasattr(connector_scheduler, "_kv_lease_duration"):
+        return False
+    connector_scheduler._kv_lease_duration = int(seconds)
+    return True
+
+
+def transfer_results_api() -> bool:
+    """Whether this release's NIXL worker reports ``get_transfer_results`` with a
+    ``failed_recving`` set (0.32+) rather than only ``get_finished`` and invalid block ids."""
+    return hasattr(nixl_classes().base_worker, "get_transfer_results")
+
+
+def fail_received(worker: Any, results: Any, failed: dict[str, Any]) -> None:
+    """Report the completed receives in ``failed`` (request id -> its local block ids) as
+    failed loads, the way this release's own worker reports a failed transfer: 0.32+ through
+    ``failed_recving`` (kept in ``finished_recving``, as vLLM does), earlier releases through
+    the invalid block ids of the first KV-cache group. vLLM then fails or recomputes the
+    request (``kv_load_failure_policy``)."""
+    if hasattr(results, "failed_recving"):
+        results.failed_recving.update(failed)
+        return
+    for block_ids in failed.values():
+        first_group = block_ids[0] if block_ids and isinstance(block_ids[0], list) else block_ids
+        worker._invalid_block_ids.put(set(first_group))
+
+
+def kv_load_failure_policy(kv_transfer_config: Any) -> str:
+    """``fail`` or ``recompute``; releases before the setting existed recompute."""
+    return str(getattr(kv_transfer_config, "kv_load_failure_policy", "recompute"))

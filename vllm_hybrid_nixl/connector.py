@@ -1,7 +1,8 @@
 """``HybridNixlConnector`` (pull) and ``HybridNixlPushConnector``: vLLM's NIXL
 connectors whose workers run the HMA-aware ``register_kv_caches``.
 
-Scheduler-side behaviour is vLLM's own; only the worker class differs.
+The pull connector also runs the KV lease guard (:mod:`vllm_hybrid_nixl.lease`) on the
+scheduler side; otherwise scheduler behaviour is vLLM's own.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.lease.connector_side import LeaseHolderMixin
 from vllm_hybrid_nixl.worker import HybridNixlPullWorker, HybridNixlPushWorker
 
 _NIXL = compat.nixl_classes()
@@ -32,7 +34,7 @@ class _HybridWorkerMixin:
         )
 
 
-class HybridNixlConnector(_HybridWorkerMixin, _NIXL.pull_connector):
+class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_connector):
     """Pull-mode (READ) NIXL connector for hybrid models; the default."""
 
     _hybrid_worker_class = HybridNixlPullWorker

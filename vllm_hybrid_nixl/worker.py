@@ -35,6 +35,7 @@ from vllm_hybrid_nixl.layout import (
     ValidatedLayer,
     check_layout,
 )
+from vllm_hybrid_nixl.lease.connector_side import LeaseReaderMixin
 
 # A child of the "vllm" logger, so vLLM's log handlers and level apply in every process.
 logger = logging.getLogger("vllm.hybrid_nixl.worker")
@@ -313,8 +314,8 @@ class HybridRegistrationMixin:
             raise error
 
 
-class HybridNixlPullWorker(HybridRegistrationMixin, _NIXL.pull_worker):
-    """Pull-mode (READ) NIXL worker with the HMA-aware registration."""
+class HybridNixlPullWorker(LeaseReaderMixin, HybridRegistrationMixin, _NIXL.pull_worker):
+    """Pull-mode (READ) NIXL worker with the HMA-aware registration and the lease guard."""
 
 
 class HybridNixlPushWorker(HybridRegistrationMixin, _NIXL.push_worker):

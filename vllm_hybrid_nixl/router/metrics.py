@@ -59,6 +59,12 @@ class RouterMetrics:
             "Requests whose client went away before the answer; their legs were aborted",
             registry=self.registry,
         )
+        self.lease_reruns = Counter(
+            "router_lease_reruns",
+            "Whole requests run again because the decode engine refused the prefill's KV: "
+            "the prefill engine had released the blocks (lease expired, engine restarted)",
+            registry=self.registry,
+        )
         self.loop_lag = Histogram(
             "router_event_loop_lag_seconds",
             "How late the router's event loop woke from a timed sleep: time it could not "

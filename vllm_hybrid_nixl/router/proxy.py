@@ -14,6 +14,7 @@ errors (4xx) pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from vllm_hybrid_nixl.lease.table import READ, LeaseState
+from vllm_hybrid_nixl.lease.wire import PARAMS_KEY, LeaseAddress, LeaseUnreachable, ask
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
@@ -140,6 +143,25 @@ def stream_error(event: bytes) -> str | None:
     if error is None:
         return None
     return str(error.get("message", error) if isinstance(error, dict) else error)
+
+
+async def lease_was_released(params: dict[str, Any]) -> str:
+    """Why the prefill's blocks were no longer readable, asked of the prefill engine's lease
+    service after a failed decode leg; empty when they were (or it cannot tell)."""
+    address = LeaseAddress.from_params(params.get(PARAMS_KEY))
+    remote = params.get("remote_request_id")
+    if address is None or remote is None:
+        return ""
+    try:
+        answers = await asyncio.to_thread(ask, address, "status", [str(remote)], 2.0)
+    except LeaseUnreachable:
+        return ""
+    status = answers[str(remote)]
+    if status.state is LeaseState.RELEASED and status.reason != READ:
+        return status.reason
+    if status.state is LeaseState.UNKNOWN and status.reason:
+        return status.reason  # the prefill engine restarted
+    return ""
 
 
 class Disaggregator:
@@ -356,7 +378,14 @@ class Disaggregator:
                 rerun = exc.kind in ("engine_error", "unreachable")
                 if not rerun or attempt == self.settings.request_retries:
                     raise
-                logger.warning("%s; running the whole request again", exc.message)
+                released = await lease_was_released(params)
+                logger.warning(
+                    "%s; running the whole request again%s",
+                    exc.message,
+                    f" (the prefill's KV lease: {released})" if released else "",
+                )
                 self.metrics.retries.labels("request").inc()
+                if released:
+                    self.metrics.lease_reruns.inc()
                 avoid = [prefill]
         raise AssertionError("unreachable")  # the loop returns or raises

@@ -1,0 +1,218 @@
+"""What the lease guard adds to vLLM's NIXL connector, on both engines.
+
+Prefill engine (scheduler): every request that finishes with its blocks kept for a decode
+engine is held in a :class:`LeaseTable` and its ``kv_transfer_params`` name the lease
+service; vLLM frees those blocks only when the table says so (after the decode's read, or
+when the lease or a pin runs out). vLLM's own lease is pushed out of the way.
+
+Decode engine (scheduler): before the worker reads a request's blocks, the request is pinned
+on its prefill engine. A refused pin (released, unknown, restarted, unreachable) is logged
+with the cause and handed to the worker, which reports the read as a failed KV load: vLLM
+then fails the request or recomputes it (``kv_load_failure_policy``), never samples from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.lease.table import LeaseState, LeaseStatus, LeaseTable
+from vllm_hybrid_nixl.lease.wire import (
+    PARAMS_KEY,
+    LeaseAddress,
+    LeaseServer,
+    LeaseUnreachable,
+    ask,
+)
+
+logger = logging.getLogger("vllm.hybrid_nixl.lease")
+
+#: ``kv_connector_extra_config`` keys.
+LEASE_KEY = "kv_lease_duration"  # vLLM's own key; its default is 30 s
+PIN_KEY = "kv_pin_duration"
+PORT_KEY = "lease_port"
+TIMEOUT_KEY = "lease_check_timeout"
+DEFAULT_LEASE_S = 30.0
+#: Refusals a decode worker hands from its scheduler, on vLLM's connector metadata.
+REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
+
+
+def refusal_message(
+    decode_req: str, remote_req: str, engine: str, address: LeaseAddress, status: LeaseStatus,
+    policy: str,
+) -> str:
+    """Why the decode engine will not use request ``decode_req``'s prefilled blocks."""
+    where = f"prefill request {remote_req} on engine {engine} ({address.host})"
+    if status.state is LeaseState.RELEASED:
+        cause = (
+            f"the prefill engine released its KV blocks {status.released_ago_s:.1f} s before "
+            f"this decode engine could read them: {status.reason} (lease "
+            f"{status.lease_s:g} s)"
+        )
+        change = (
+            "raise kv_lease_duration in the prefill engine's kv_connector_extra_config, or "
+            "send decode legs sooner (a proxy or client that waits longer than the lease)"
+        )
+    else:
+        cause = status.reason or (
+            "the prefill engine does not know this request (restarted, or the request is "
+            "older than its lease records)"
+        )
+        change = "re-run the request through a fresh prefill leg"
+    outcome = "recomputed here" if policy == "recompute" else "failed"
+    return (
+        f"vllm-hybrid-nixl: request {decode_req} ({where}): {cause}. Its KV is {outcome} "
+        f"instead of decoding from blocks that may hold another prompt (kv_load_failure_"
+        f"policy={policy}). What to change: {change}."
+    )
+
+
+class LeaseHolderMixin:
+    """Connector (scheduler role): hold, serve and settle leases on prefill engines; pin
+    them before reading on decode engines."""
+
+    connector_scheduler: Any
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+        self._lease_server: LeaseServer | None = None
+        self._lease_pending: dict[str, tuple[LeaseAddress, str, str]] = {}
+        self._warned_unguarded = False
+        if getattr(self, "connector_scheduler", None) is None:
+            return  # worker role
+        config = vllm_config.kv_transfer_config
+        self._lease_policy = compat.kv_load_failure_policy(config)
+        self._lease_timeout_s = float(config.get_from_extra_config(TIMEOUT_KEY, 2.0))
+        if config.is_kv_producer:
+            self._start_lease_service(config)
+
+    def _start_lease_service(self, config: Any) -> None:
+        lease_s = float(config.get_from_extra_config(LEASE_KEY, DEFAULT_LEASE_S))
+        pin_s = float(config.get_from_extra_config(PIN_KEY, max(lease_s, DEFAULT_LEASE_S)))
+        table = LeaseTable(lease_s, pin_s)
+        # vLLM's worker frees on its own lease; keep that one well past ours and pins.
+        compat.extend_stock_lease(self.connector_scheduler, lease_s + pin_s + 60)
+        host = getattr(self.connector_scheduler, "side_channel_host", None) or "127.0.0.1"
+        port = int(config.get_from_extra_config(PORT_KEY, 0))
+        self._lease_server = LeaseServer(table, host, port)
+        logger.info(
+            "vllm-hybrid-nixl: KV lease service on %s (lease %g s, pin %g s, epoch %s)",
+            self._lease_server.address.endpoint,
+            lease_s,
+            pin_s,
+            table.epoch,
+        )
+
+    # ---- prefill engine ------------------------------------------------------------------
+
+    def _with_lease(self, request: Any, delay: bool, params: dict | None) -> dict | None:
+        if self._lease_server is None or not delay or not params:
+            return params
+        if not params.get("do_remote_prefill"):
+            return params  # not a prefill answer
+        self._lease_server.table.hold(request.request_id)
+        params[PARAMS_KEY] = self._lease_server.address.to_params()
+        return params
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
+        return delay, self._with_lease(request, delay, params)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: Any
+    ) -> tuple[bool, dict | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
+        return delay, self._with_lease(request, delay, params)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._lease_server is not None:
+            finished = set(connector_output.finished_sending or ())
+            connector_output.finished_sending = self._lease_server.table.settle(finished)
+        super().update_connector_output(connector_output)  # type: ignore[misc]
+
+    # ---- decode engine -------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
+            address = LeaseAddress.from_params(params.get(PARAMS_KEY))
+            if address is not None:
+                self._lease_pending[request.request_id] = (
+                    address,
+                    str(params.get("remote_request_id")),
+                    str(params.get("remote_engine_id")),
+                )
+            elif not self._warned_unguarded:
+                self._warned_unguarded = True
+                logger.warning(
+                    "vllm-hybrid-nixl: prefill engine %s sent no KV lease (a stock "
+                    "NixlConnector?); blocks it releases early cannot be detected",
+                    params.get("remote_engine_id"),
+                )
+        return super().update_state_after_alloc(  # type: ignore[misc]
+            request, blocks, num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        refusals = self._pin_pending() if self._lease_pending else {}
+        metadata = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        if refusals:
+            setattr(metadata, REFUSALS_ATTRIBUTE, refusals)
+        return metadata
+
+    def _pin_pending(self) -> dict[str, str]:
+        """Pin every request about to be read; the refused ones, with their messages."""
+        by_address: dict[LeaseAddress, dict[str, tuple[str, str]]] = defaultdict(dict)
+        for req_id, (address, remote_req, engine) in self._lease_pending.items():
+            by_address[address][remote_req] = (req_id, engine)
+        self._lease_pending = {}
+        refusals = {}
+        for address, requests in by_address.items():
+            try:
+                answers = ask(address, "pin", requests, self._lease_timeout_s)
+            except LeaseUnreachable as exc:
+                answers = {r: LeaseStatus(LeaseState.UNKNOWN, str(exc)) for r in requests}
+            for remote_req, status in answers.items():
+                if status.readable:
+                    continue
+                req_id, engine = requests[remote_req]
+                message = refusal_message(
+                    req_id, remote_req, engine, address, status, self._lease_policy
+                )
+                logger.error("%s", message)
+                refusals[req_id] = message
+        return refusals
+
+
+class LeaseReaderMixin:
+    """Worker (decode engine): a read whose pin was refused completes as a failed load."""
+
+    def start_load_kv(self, metadata: Any) -> Any:
+        refusals = getattr(metadata, REFUSALS_ATTRIBUTE, None)
+        if refusals:
+            pending = self.__dict__.setdefault("_lease_refused", {})
+            to_recv = getattr(metadata, "reqs_to_recv", {}) or {}
+            for req_id in refusals:
+                meta = to_recv.get(req_id)
+                pending[req_id] = list(getattr(meta, "local_block_ids", ()) or ())
+        return super().start_load_kv(metadata)  # type: ignore[misc]
+
+    def _fail_refused(self, results: Any, finished_recving: set[str]) -> None:
+        pending: dict[str, Any] = self.__dict__.get("_lease_refused") or {}
+        done = {r: pending.pop(r) for r in list(pending) if r in finished_recving}
+        if done:
+            compat.fail_received(self, results, done)
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()  # type: ignore[misc]
+        self._fail_refused(results, results.finished_recving)
+        return results
+
+    def get_finished(self) -> Any:
+        if compat.transfer_results_api():
+            return super().get_finished()  # type: ignore[misc]  # calls get_transfer_results
+        sending, recving = super().get_finished()  # type: ignore[misc]
+        self._fail_refused(None, recving)
+        return sending, recving
