@@ -8,19 +8,26 @@ the same scenario answers HTTP 200 with wrong tokens, so these tests can fail.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.lease_scenario import expected_texts, late_legs
-from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, start_pair
+from tests.e2e.lease_scenario import PROMPTS, body, expected_texts, late_legs
+from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair
 from vllm_hybrid_nixl.engines import EngineProcess
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 
 SMALL_CACHE = [*COMMON_ARGS, "--num-gpu-blocks-override", "96"]
 REFUSAL = "released its KV blocks"
+LEASE_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +35,11 @@ def guarded(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[PdPair]:
     yield from start_pair(
         tiny_hybrid_model,
         tmp_path_factory.mktemp("lease-logs"),
-        prefill={"kv_extra_config": {"kv_lease_duration": 3}, "extra_args": SMALL_CACHE},
+        prefill={
+            # A fixed lease port: a restarted engine answers there, under another epoch.
+            "kv_extra_config": {"kv_lease_duration": 3, "lease_port": LEASE_PORT},
+            "extra_args": SMALL_CACHE,
+        },
         decode={"extra_args": SMALL_CACHE},
     )
 
@@ -73,7 +84,10 @@ def test_a_prefill_engine_restarted_between_the_legs_is_detected(
 
     def restart() -> None:
         guarded.prefill.stop()
-        fresh = EngineProcess(guarded.prefill.spec, tmp_path / "prefill-restarted.log")
+        # Back with vLLM's default lease (30 s), for the test after this one.
+        spec = dataclasses.replace(guarded.prefill.spec, kv_extra_config={"lease_port": LEASE_PORT})
+        guarded.prefill.spec = spec
+        fresh = EngineProcess(spec, tmp_path / "prefill-restarted.log")
         fresh.start().wait_healthy(timeout_s=420)
         guarded.prefill.process = fresh.process
         guarded.prefill.log_path = fresh.log_path
@@ -87,5 +101,74 @@ def test_a_prefill_engine_restarted_between_the_legs_is_detected(
         between=restart,
     )
     assert outcome.wrong_200 == 0, outcome
-    assert outcome.correct + len(outcome.errors) == 4
-    assert "restarted" in guarded.decode.log_text() or outcome.errors
+    assert len(outcome.errors) == 4, outcome
+    assert guarded.decode.log_text().count("the prefill engine restarted") >= 4
+
+
+def test_decode_legs_later_than_the_default_lease_fail_loudly(
+    guarded: PdPair, expected: dict[str, str]
+) -> None:
+    """vLLM's default lease (30 s): decode legs 36 s after their prefill legs, churn between."""
+    before = guarded.decode.log_text().count("(lease 30 s)")
+    outcome = late_legs(
+        guarded.prefill.spec.url, guarded.decode.spec.url, guarded.model, expected, wait_s=36
+    )
+    assert outcome.wrong_200 == 0, outcome
+    assert len(outcome.errors) == 4, outcome
+    assert guarded.decode.log_text().count("(lease 30 s)") >= before + 4
+
+
+def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
+    guarded: PdPair, expected: dict[str, str], tmp_path: Path
+) -> None:
+    """Two prefill engines, the first with a lease that is over before any decode can pin
+    it: the router's first attempt is refused, its re-run on the other prefill answers
+    correctly, and ``router_lease_reruns_total`` counts it."""
+    expiring_spec = dataclasses.replace(
+        guarded.prefill.spec,
+        port=free_port(),
+        side_channel_port=free_port(),
+        kv_extra_config={"kv_lease_duration": 0},
+    )
+    expiring = EngineProcess(expiring_spec, tmp_path / "prefill-expiring.log").start()
+    router = None
+    try:
+        expiring.wait_healthy(timeout_s=420)
+        pool = BackendPool.from_urls(
+            [expiring_spec.url, guarded.prefill.spec.url], [guarded.decode.spec.url]
+        )
+        router = RouterServer(pool, "127.0.0.1", free_port()).start()
+        wait_router_ready(router.url)
+        prompt = PROMPTS[0]
+        with httpx.Client(timeout=120) as client:
+            answer = client.post(f"{router.url}/v1/completions", json=body(guarded.model, prompt))
+            metrics = client.get(f"{router.url}/metrics").text
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == expected[prompt]
+        assert metric(metrics, "router_lease_reruns_total") == 1
+        assert engine_posts(expiring_spec.url) == 1 and "released its KV blocks" in (
+            guarded.decode.log_text()
+        )
+    finally:
+        if router is not None:
+            router.stop()
+        expiring.stop()
+
+
+def wait_router_ready(url: str, timeout_s: float = 120) -> None:
+    """Until the router's probes have seen every engine healthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        engines = health.get("engines", [])
+        if engines and all(e.get("up") for e in engines):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"router engines not up: {health}")
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

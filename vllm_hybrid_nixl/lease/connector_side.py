@@ -14,6 +14,7 @@ then fails the request or recomputes it (``kv_load_failure_policy``), never samp
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -34,7 +35,11 @@ LEASE_KEY = "kv_lease_duration"  # vLLM's own key; its default is 30 s
 PIN_KEY = "kv_pin_duration"
 PORT_KEY = "lease_port"
 TIMEOUT_KEY = "lease_check_timeout"
+GUARD_KEY = "lease_guard"  # false turns the guard off on this engine (benchmarks, stock peers)
 DEFAULT_LEASE_S = 30.0
+#: After a prefill engine's lease service failed to answer, pins to it are refused at once
+#: for this long instead of stalling the decode engine core for the timeout every step.
+UNREACHABLE_HOLD_S = 10.0
 #: Refusals a decode worker hands from its scheduler, on vLLM's connector metadata.
 REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 
@@ -61,11 +66,11 @@ def refusal_message(
             "older than its lease records)"
         )
         change = "re-run the request through a fresh prefill leg"
-    outcome = "recomputed here" if policy == "recompute" else "failed"
+    outcome = "is recomputed on this engine" if policy == "recompute" else "fails"
     return (
-        f"vllm-hybrid-nixl: request {decode_req} ({where}): {cause}. Its KV is {outcome} "
-        f"instead of decoding from blocks that may hold another prompt (kv_load_failure_"
-        f"policy={policy}). What to change: {change}."
+        f"vllm-hybrid-nixl: request {decode_req} ({where}): {cause}. The request {outcome} "
+        f"instead of decoding from blocks that may hold another prompt's KV "
+        f"(kv_load_failure_policy={policy}). What to change: {change}."
     )
 
 
@@ -80,9 +85,14 @@ class LeaseHolderMixin:
         self._lease_server: LeaseServer | None = None
         self._lease_pending: dict[str, tuple[LeaseAddress, str, str]] = {}
         self._warned_unguarded = False
+        self._unreachable: dict[LeaseAddress, tuple[float, str]] = {}
         if getattr(self, "connector_scheduler", None) is None:
             return  # worker role
         config = vllm_config.kv_transfer_config
+        self._lease_guard = bool(config.get_from_extra_config(GUARD_KEY, True))
+        if not self._lease_guard:
+            logger.warning("vllm-hybrid-nixl: the KV lease guard is off (lease_guard: false)")
+            return
         self._lease_policy = compat.kv_load_failure_policy(config)
         self._lease_timeout_s = float(config.get_from_extra_config(TIMEOUT_KEY, 2.0))
         if config.is_kv_producer:
@@ -91,9 +101,10 @@ class LeaseHolderMixin:
     def _start_lease_service(self, config: Any) -> None:
         lease_s = float(config.get_from_extra_config(LEASE_KEY, DEFAULT_LEASE_S))
         pin_s = float(config.get_from_extra_config(PIN_KEY, max(lease_s, DEFAULT_LEASE_S)))
-        table = LeaseTable(lease_s, pin_s)
         # vLLM's worker frees on its own lease; keep that one well past ours and pins.
-        compat.extend_stock_lease(self.connector_scheduler, lease_s + pin_s + 60)
+        stock_lease_s = lease_s + pin_s + 60
+        table = LeaseTable(lease_s, pin_s, forget_after_s=stock_lease_s + 60)
+        compat.extend_stock_lease(self.connector_scheduler, stock_lease_s)
         host = getattr(self.connector_scheduler, "side_channel_host", None) or "127.0.0.1"
         port = int(config.get_from_extra_config(PORT_KEY, 0))
         self._lease_server = LeaseServer(table, host, port)
@@ -136,7 +147,12 @@ class LeaseHolderMixin:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
+        if (
+            params
+            and params.get("do_remote_prefill")
+            and num_external_tokens > 0
+            and getattr(self, "_lease_guard", False)
+        ):
             address = LeaseAddress.from_params(params.get(PARAMS_KEY))
             if address is not None:
                 self._lease_pending[request.request_id] = (
@@ -170,10 +186,7 @@ class LeaseHolderMixin:
         self._lease_pending = {}
         refusals = {}
         for address, requests in by_address.items():
-            try:
-                answers = ask(address, "pin", requests, self._lease_timeout_s)
-            except LeaseUnreachable as exc:
-                answers = {r: LeaseStatus(LeaseState.UNKNOWN, str(exc)) for r in requests}
+            answers = self._pin_at(address, list(requests))
             for remote_req, status in answers.items():
                 if status.readable:
                     continue
@@ -184,6 +197,20 @@ class LeaseHolderMixin:
                 logger.error("%s", message)
                 refusals[req_id] = message
         return refusals
+
+
+    def _pin_at(self, address: LeaseAddress, remote_reqs: list[str]) -> dict[str, LeaseStatus]:
+        now = time.monotonic()
+        failed = self._unreachable.get(address)
+        if failed is None or now - failed[0] > UNREACHABLE_HOLD_S:
+            try:
+                answers = ask(address, "pin", remote_reqs, self._lease_timeout_s)
+                self._unreachable.pop(address, None)
+                return answers
+            except LeaseUnreachable as exc:
+                failed = (now, str(exc))
+                self._unreachable[address] = failed
+        return {r: LeaseStatus(LeaseState.UNKNOWN, failed[1]) for r in remote_reqs}
 
 
 class LeaseReaderMixin:

@@ -77,14 +77,16 @@ class LeaseTable:
         self,
         lease_s: float,
         pin_s: float,
+        forget_after_s: float,
         clock: Callable[[], float] = time.monotonic,
-        remember: int = 65536,
     ) -> None:
+        """``forget_after_s``: how long a release is remembered; at least as long as vLLM's
+        own lease, whose late reports of released requests :meth:`settle` must drop."""
         self.lease_s, self.pin_s, self._clock = float(lease_s), float(pin_s), clock
         self.epoch = secrets.token_hex(8)  # a restarted engine has another one
         self._live: dict[str, _Live] = {}
         self._released: OrderedDict[str, tuple[float, str]] = OrderedDict()
-        self._remember = remember
+        self._forget_after_s = float(forget_after_s)
         self._lock = threading.Lock()
 
     def hold(self, req_id: str) -> None:
@@ -146,8 +148,11 @@ class LeaseTable:
 
     def _remember_release(self, req_id: str, at: float, reason: str) -> None:
         self._released[req_id] = (at, reason)
-        while len(self._released) > self._remember:
-            self._released.popitem(last=False)
+        while self._released:
+            oldest, (released_at, _) = next(iter(self._released.items()))
+            if at - released_at <= self._forget_after_s:
+                break
+            del self._released[oldest]
 
     def held_count(self) -> int:
         with self._lock:
