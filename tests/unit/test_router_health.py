@@ -68,18 +68,67 @@ def test_breaker_opens_after_failed_legs_and_half_opens_after_cooldown(setup) ->
     for _ in range(3):
         tracker.record_failure(d0, "HTTP 500")
     assert tracker.state(d0) is EngineState.OPEN and not tracker.usable(d0)
-    tracker.record_probe(d0, True)  # probes alone do not close a tripped breaker
+    tracker.record_probe(d0, True)  # a probe inside the cooldown does not close it
+    assert tracker.state(d0) is EngineState.OPEN
     clock.now += 9.9
     assert not tracker.usable(d0)
     clock.now += 0.2
-    assert tracker.usable(d0)  # one trial leg
+    assert tracker.usable(d0) and tracker.usable(d0)  # looking changes nothing
+    assert tracker.state(d0) is EngineState.OPEN
+    tracker.leg_started(d0)  # the trial leg
     assert tracker.state(d0) is EngineState.HALF_OPEN and not tracker.usable(d0)
     tracker.record_failure(d0, "HTTP 500")  # the trial failed: open again, new cooldown
+    tracker.leg_ended(d0)
     assert tracker.state(d0) is EngineState.OPEN
     clock.now += 10
     assert tracker.usable(d0)
+    tracker.leg_started(d0)
     tracker.record_success(d0)
     assert tracker.state(d0) is EngineState.UP
+
+
+def test_a_lookup_that_records_no_outcome_never_strands_an_engine(setup) -> None:
+    """``/v1/models`` asks ``usable`` and sends nothing through the breaker: the engine
+    must still get its trial leg."""
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    for _ in range(3):
+        tracker.record_failure(d0, "HTTP 500")
+    clock.now += 11
+    for _ in range(5):
+        assert tracker.usable(d0)  # lookups
+    tracker.leg_started(d0)
+    tracker.record_success(d0)
+    assert tracker.state(d0) is EngineState.UP
+
+
+def test_an_abandoned_trial_admits_another_after_the_cooldown(setup) -> None:
+    """A trial leg cancelled by a client disconnect records no outcome."""
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    for _ in range(3):
+        tracker.record_failure(d0, "HTTP 500")
+    clock.now += 11
+    tracker.leg_started(d0)
+    tracker.leg_ended(d0)  # cancelled: neither success nor failure
+    assert not tracker.usable(d0)
+    clock.now += 10
+    assert tracker.usable(d0)
+
+
+def test_a_good_probe_after_the_cooldown_brings_an_open_engine_back(setup) -> None:
+    """With one decode engine and no traffic able to reach it, probes must close it."""
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    for _ in range(3):
+        tracker.record_failure(d0, "HTTP 500")
+    clock.now += 11
+    tracker.leg_started(d0)  # a trial that never reports
+    tracker.record_probe(d0, True)
+    assert tracker.state(d0) is EngineState.UP and tracker.usable(d0)
 
 
 def test_in_flight_is_counted_per_engine(setup) -> None:

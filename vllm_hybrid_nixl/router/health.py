@@ -2,9 +2,13 @@
 
 An engine is *up* after a successful probe of its ``/health``. It goes *down* after
 ``probe_failures_to_eject`` failed probes in a row, and *open* (breaker tripped) after
-``request_failures_to_open`` failed legs in a row; an open engine gets one trial leg
-(*half-open*) once ``open_cooldown_s`` has passed, and is up again when that leg or a probe
-succeeds. Engines start *unknown* and take no traffic until a first probe answers.
+``request_failures_to_open`` failed legs in a row. Once ``open_cooldown_s`` has passed, an
+open engine is up again after a good probe, and admits one trial leg (*half-open* while it
+runs); the trial's success closes the breaker, its failure opens it again, and a trial that
+ends with no outcome (its client left) admits another after the cooldown. Looking
+(:meth:`HealthTracker.usable`) never changes a state; only a leg that really starts does
+(:meth:`HealthTracker.leg_started`). Engines start *unknown* and take no traffic until a
+first probe answers.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class EngineHealth:
     probe_failures: int = 0
     request_failures: int = 0
     opened_at: float = 0.0
+    trial_at: float = 0.0  # when the half-open trial leg started
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
     in_flight: int = 0
@@ -62,26 +67,29 @@ class HealthTracker:
         return self._engines[backend.url].state
 
     def usable(self, backend: Backend) -> bool:
-        """May a leg go to ``backend`` now? (An open breaker past its cooldown admits one
-        trial leg and turns half-open.)"""
+        """May a leg go to ``backend`` now? Up engines, and breakers due a trial leg: open
+        past the cooldown, or half-open with a trial older than the cooldown."""
         with self._lock:
-            health = self._engines[backend.url]
-            if health.state is EngineState.UP:
-                return True
-            if (
-                health.state is EngineState.OPEN
-                and self._clock() - health.opened_at >= self._cooldown
-            ):
-                self._set(health, EngineState.HALF_OPEN)
-                return True
-            return False
+            return self._usable(self._engines[backend.url], self._clock())
+
+    def _usable(self, health: EngineHealth, now: float) -> bool:
+        if health.state is EngineState.UP:
+            return True
+        if health.state is EngineState.OPEN:
+            return now - health.opened_at >= self._cooldown
+        if health.state is EngineState.HALF_OPEN:
+            return now - health.trial_at >= self._cooldown
+        return False
 
     def record_probe(self, backend: Backend, ok: bool, detail: str = "") -> None:
         with self._lock:
             health = self._engines[backend.url]
             if ok:
                 health.probe_failures = 0
-                if health.state in (EngineState.UNKNOWN, EngineState.DOWN):
+                cooled = self._clock() - health.opened_at >= self._cooldown
+                if health.state in (EngineState.UNKNOWN, EngineState.DOWN) or (
+                    health.state in (EngineState.OPEN, EngineState.HALF_OPEN) and cooled
+                ):
                     health.request_failures = 0
                     self._set(health, EngineState.UP)
                 return
@@ -109,8 +117,16 @@ class HealthTracker:
                 self._set(health, EngineState.OPEN)
 
     def leg_started(self, backend: Backend) -> None:
+        """A leg goes out now; to a breaker due a trial, it is that trial (half-open)."""
         with self._lock:
-            self._engines[backend.url].in_flight += 1
+            health = self._engines[backend.url]
+            health.in_flight += 1
+            now = self._clock()
+            if health.state in (EngineState.OPEN, EngineState.HALF_OPEN) and self._usable(
+                health, now
+            ):
+                self._set(health, EngineState.HALF_OPEN)
+                health.trial_at = now
 
     def leg_ended(self, backend: Backend) -> None:
         with self._lock:
