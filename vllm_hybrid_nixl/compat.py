@@ -221,13 +221,16 @@ def stock_splits_first_dimension(worker: Any, first_shape: tuple[int, ...]) -> b
 def side_channel_wants_pp_rank() -> bool:
     """Whether this release's NIXL side channel expects ``(msg, pp_rank, tp_rank)`` (0.26+,
     with pipeline-parallel handshakes) rather than ``(msg, tp_rank)`` (0.24-0.25). A request
-    in the other form kills the listener thread of the engine that receives it.
+    in the other form kills the listener thread of the engine that receives it. For engines
+    of this process's release (peers must run the same one); the router asks each engine.
 
     Read from the installed release's version, not from its worker: importing vLLM takes
-    15-50 s here, too slow for a router's start-up. ``handshake_takes_pp_rank`` looks at the
-    worker itself; the tests hold the two equal on every release of the matrix."""
-    found = installed_vllm()
-    return found is None or found.version.release >= (0, 26)
+    15-50 s. ``handshake_takes_pp_rank`` looks at the worker itself; the tests hold the two
+    equal on every release of the matrix."""
+    from vllm_hybrid_nixl.handshake_probe import speaks_pp_rank_form
+
+    found = ensure_supported_vllm()
+    return speaks_pp_rank_form(str(found.version))
 
 
 def handshake_takes_pp_rank() -> bool:

@@ -6,12 +6,13 @@ The side channel is the ZMQ socket vLLM's NIXL connector serves handshakes on
 (0.24-0.25) -- the engine's listener thread dies on the other form, so the form must match
 the engines' release; the first frame of the reply is the handshake payload, whose
 ``compatibility_hash`` is a layout fingerprint when the engine runs HybridNixlConnector and
-a plain hex digest when it runs the stock connector. vLLM is imported only to pick the
-request form (the newest form when vLLM is not installed).
+a plain hex digest when it runs the stock connector. The caller says which form to speak:
+the engine's own release decides (:func:`speaks_pp_rank_form`); nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -32,13 +33,17 @@ def _compat_string(payload: Any) -> str:
     raise ProbeError("the reply is not a NIXL handshake payload")
 
 
-def _wants_pp_rank() -> bool:
-    try:
-        from vllm_hybrid_nixl import compat
+#: First vLLM release whose side channel takes ``(msg, pp_rank, tp_rank)``.
+PP_RANK_FORM_SINCE = (0, 26)
 
-        return compat.side_channel_wants_pp_rank()
-    except Exception:  # no (supported) vLLM here: speak the newest form
-        return True
+
+def speaks_pp_rank_form(vllm_version: str) -> bool:
+    """Whether an engine of vLLM ``vllm_version`` (e.g. ``0.32.0+cpu``) expects the
+    ``(msg, pp_rank, tp_rank)`` request; raises ValueError for an unreadable version."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)", vllm_version)
+    if match is None:
+        raise ValueError(f"not a vLLM version: {vllm_version!r}")
+    return (int(match[1]), int(match[2])) >= PP_RANK_FORM_SINCE
 
 
 def fetch_compat_string(
@@ -48,12 +53,11 @@ def fetch_compat_string(
     tp_rank: int = 0,
     pp_rank: int = 0,
     timeout_s: float = 5.0,
-    with_pp_rank: bool | None = None,
+    with_pp_rank: bool,
 ) -> str:
-    """The compatibility string engine ``host:port`` sends in its NIXL handshake."""
+    """The compatibility string engine ``host:port`` sends in its NIXL handshake, asked in
+    the form its release speaks (``with_pp_rank``: :func:`speaks_pp_rank_form`)."""
     where = f"tcp://{host}:{port}"
-    if with_pp_rank is None:
-        with_pp_rank = _wants_pp_rank()
     request = (GET_META_MSG, pp_rank, tp_rank) if with_pp_rank else (GET_META_MSG, tp_rank)
     context = zmq.Context.instance()
     socket = context.socket(zmq.REQ)

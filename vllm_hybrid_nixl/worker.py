@@ -290,7 +290,8 @@ class HybridRegistrationMixin:
             else ("prefill", "decode")
         )
         where = f"{engine_id} ({host}:{port})"
-        verdict = compare_with_peer(self.layout_fingerprint, fetch_compat_string(host, port))
+        wire = fetch_compat_string(host, port, with_pp_rank=compat.side_channel_wants_pp_rank())
+        verdict = compare_with_peer(self.layout_fingerprint, wire)
         error: RuntimeError | None = None
         if verdict.stock_peer:
             allow = worker.kv_transfer_config.get_from_extra_config("allow_stock_peer", False)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS
+from vllm_hybrid_nixl import compat
 from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.fingerprint import decode as decode_fingerprint
 from vllm_hybrid_nixl.handshake_probe import fetch_compat_string
@@ -25,6 +26,7 @@ from vllm_hybrid_nixl.router import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
+PP = compat.side_channel_wants_pp_rank()  # the engines run this process's vLLM
 
 PROMPT = " ".join(["a prompt long enough to fill more than one kv cache block"] * 8)
 
@@ -82,14 +84,16 @@ def _body(model: str) -> dict:
 
 def test_side_channels_advertise_fingerprints_and_the_stock_hash(engines: Engines) -> None:
     ours = decode_fingerprint(
-        fetch_compat_string("127.0.0.1", engines.prefill_64.spec.side_channel_port)
+        fetch_compat_string("127.0.0.1", engines.prefill_64.spec.side_channel_port, with_pp_rank=PP)
     )
     assert ours.block_size == 64 and len(ours.groups) == 2
     theirs = decode_fingerprint(
-        fetch_compat_string("127.0.0.1", engines.decode_32.spec.side_channel_port)
+        fetch_compat_string("127.0.0.1", engines.decode_32.spec.side_channel_port, with_pp_rank=PP)
     )
     assert theirs.block_size == 32
-    stock = fetch_compat_string("127.0.0.1", engines.stock_prefill_64.spec.side_channel_port)
+    stock = fetch_compat_string(
+        "127.0.0.1", engines.stock_prefill_64.spec.side_channel_port, with_pp_rank=PP
+    )
     assert len(stock) == 64 and int(stock, 16) >= 0  # vLLM's plain hex digest
 
 

@@ -8,8 +8,10 @@ probe, the pairing table and the launcher's refusal are the real code.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import pytest
@@ -25,16 +27,24 @@ pytestmark = pytest.mark.unit
 
 
 class SideChannel:
-    """A NIXL-style handshake listener that hands out one compatibility string."""
+    """A NIXL-style handshake listener that hands out one compatibility string, beside an
+    HTTP ``/version`` naming the engine's vLLM release (``None``: no answer there). It
+    records every request form it was sent."""
 
-    def __init__(self, compat: str) -> None:
+    def __init__(self, compat: str, release: str | None = "0.32.0+cpu") -> None:
         self.port = free_port()
         self.compat = compat
+        self.requests: list[tuple] = []
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
         self._ready.wait(5)
+        self.http = _VersionServer(release)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http.server_port}"
 
     @property
     def address(self) -> str:
@@ -54,7 +64,9 @@ class SideChannel:
                     identity, _, request = socket.recv_multipart()
                 except zmq.Again:
                     continue
-                assert msgspec.msgpack.decode(request)[0] == b"get_meta_msg"
+                decoded = tuple(msgspec.msgpack.decode(request))
+                self.requests.append(decoded)
+                assert decoded[0] == b"get_meta_msg"
                 socket.send_multipart((identity, b"", payload, msgspec.msgpack.encode(0.0)))
         finally:
             socket.close(linger=0)
@@ -62,6 +74,31 @@ class SideChannel:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class _VersionServer(ThreadingHTTPServer):
+    def __init__(self, release: str | None) -> None:
+        self.release = release
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(handler) -> None:  # noqa: N805
+                if handler.path != "/version" or self.release is None:
+                    handler.send_error(404)
+                    return
+                body = json.dumps({"version": self.release}).encode()
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(handler, *args) -> None:  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 @pytest.fixture
@@ -79,8 +116,8 @@ def channels() -> Iterator[dict[str, SideChannel]]:
 
 def pool(prefill: list[SideChannel], decode: list[SideChannel]) -> BackendPool:
     return BackendPool.from_urls(
-        [f"http://p{i}" for i in range(len(prefill))],
-        [f"http://d{i}" for i in range(len(decode))],
+        [c.url for c in prefill],
+        [c.url for c in decode],
         [c.address for c in prefill],
         [c.address for c in decode],
     )
@@ -101,8 +138,8 @@ def test_different_block_sizes_are_refused_with_both_values(channels) -> None:
     table.refresh()
     (problem,) = table.problems(engines.prefill, engines.decode)
     assert "groups[0].block_size: decode-1 32, prefill-0 64" in problem
-    assert engines.next_pair(table.problem)[1].url == "http://d0"  # the compatible one
-    assert engines.next_pair(table.problem)[1].url == "http://d0"
+    assert engines.next_pair(table.problem)[1] == engines.decode[0]  # the compatible one
+    assert engines.next_pair(table.problem)[1] == engines.decode[0]
     with pytest.raises(IncompatibleEnginesError, match="groups\\[0\\].block_size"):
         refuse_incompatible_pairs(engines)
 
@@ -124,3 +161,44 @@ def test_silent_side_channel_leaves_the_layout_unknown_not_refused(channels) -> 
     assert not layout.known and "did not answer" in layout.error
     assert table.problem(engines.prefill[0], dead) == ""
     assert table.needs_probe() is False  # retried only after retry_after_s
+
+
+@pytest.mark.parametrize(("release", "form_length"), [("0.25.1+cpu", 2), ("0.32.0", 3)])
+def test_the_side_channel_is_asked_in_the_engine_releases_form(release, form_length) -> None:
+    """(msg, tp_rank) for 0.24-0.25 engines, (msg, pp_rank, tp_rank) after: the form comes
+    from the engine's /version, never from the router's own vLLM."""
+    prefill = SideChannel(make(block_size=64).encode(), release=release)
+    decode = SideChannel(make(block_size=64).encode(), release=release)
+    try:
+        engines = pool([prefill], [decode])
+        table = PairingTable(engines.all(), timeout_s=2)
+        table.refresh()
+        assert table.problems(engines.prefill, engines.decode) == []
+        assert [len(r) for r in prefill.requests] == [form_length]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_engine_whose_release_is_unknown_is_never_sent_a_form() -> None:
+    silent = SideChannel(make(block_size=64).encode(), release=None)
+    try:
+        engines = pool([silent], [])
+        table = PairingTable(engines.all(), timeout_s=1)
+        table.refresh()
+        assert silent.requests == []
+        assert "/version" in table.layout(engines.prefill[0]).error
+    finally:
+        silent.close()
+
+
+def test_a_fingerprint_of_a_newer_protocol_is_refused_by_name(channels) -> None:
+    newer = SideChannel("hybrid-nixl/2:abcd:not-our-encoding")
+    try:
+        engines = pool([newer], [channels["d64"]])
+        table = PairingTable(engines.all(), timeout_s=2)
+        table.refresh()
+        (problem,) = table.problems(engines.prefill, engines.decode)
+        assert "layout protocol '2'" in problem and "reads protocol 1" in problem
+    finally:
+        newer.close()

@@ -45,7 +45,11 @@ REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 
 
 def refusal_message(
-    decode_req: str, remote_req: str, engine: str, address: LeaseAddress, status: LeaseStatus,
+    decode_req: str,
+    remote_req: str,
+    engine: str,
+    address: LeaseAddress,
+    status: LeaseStatus,
     policy: str,
 ) -> str:
     """Why the decode engine will not use request ``decode_req``'s prefilled blocks."""
@@ -131,9 +135,7 @@ class LeaseHolderMixin:
         delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
-    def request_finished_all_groups(
-        self, request: Any, block_ids: Any
-    ) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
@@ -197,7 +199,6 @@ class LeaseHolderMixin:
                 logger.error("%s", message)
                 refusals[req_id] = message
         return refusals
-
 
     def _pin_at(self, address: LeaseAddress, remote_reqs: list[str]) -> dict[str, LeaseStatus]:
         now = time.monotonic()

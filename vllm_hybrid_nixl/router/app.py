@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any
 
@@ -40,6 +42,13 @@ from vllm_hybrid_nixl.router.validation import request_problem
 
 __all__ = ["RouterKeys", "RouterSettings", "build_app", "prefill_body"]
 
+logger = logging.getLogger("vllm_hybrid_nixl.router")
+#: Deepest JSON nesting a request may have (OpenAI bodies, tool schemas included, stay far
+#: below); deeper bodies are refused before any engine sees them.
+MAX_JSON_DEPTH = 64
+#: Seconds between full re-reads of every engine's layout by the background probes.
+LAYOUT_REFRESH_S = 30.0
+
 
 def error_response(status: int, message: str, error_type: str, **extra: Any) -> JSONResponse:
     """An OpenAI-style error body: message, type, code, and any ``extra`` fields."""
@@ -49,15 +58,36 @@ def error_response(status: int, message: str, error_type: str, **extra: Any) -> 
     )
 
 
-def leg_error_response(error: LegError) -> JSONResponse:
+def leg_error_response(error: LegError, request_id: str = "") -> JSONResponse:
+    """A failed leg as the client sees it: the engine's own message, type and param for a
+    request the engine judged; engines by name only (addresses go to the log)."""
+    if request_id:
+        logger.warning("request %s: %s", request_id, error.message)
+    upstream = error.upstream if error.kind == "client_error" else {}
     return error_response(
         error.status,
-        error.message,
-        "upstream_error",
+        error.public_message,
+        str(upstream.get("type") or "upstream_error"),
+        param=upstream.get("param"),
         leg=error.leg,
-        engine=error.backend.url,
+        engine=error.backend.label,
         kind=error.kind,
+        request_id=request_id or None,
     )
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, counted without recursion, up to ``limit + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def stream_error_event(message: str) -> bytes:
@@ -104,9 +134,21 @@ def build_app(
             1 if health.state(backend).value == "up" else 0
         )
 
+    layouts_read_at = [time.monotonic()]
+
     async def probe_all(client: httpx.AsyncClient) -> None:
+        """Engine health, then layouts: those not known yet, those of engines that just came
+        (back) up — a restarted engine may have another layout — and all of them every
+        ``LAYOUT_REFRESH_S``. ``/health`` only reads what this cached."""
+        was_up = {b.url for b in pool.all() if health.state(b).value == "up"}
         await asyncio.gather(*(probe(client, b) for b in pool.all()))
-        if pairing.needs_probe():
+        came_up = [b for b in pool.all() if health.state(b).value == "up" and b.url not in was_up]
+        if time.monotonic() - layouts_read_at[0] >= LAYOUT_REFRESH_S:
+            layouts_read_at[0] = time.monotonic()
+            await asyncio.to_thread(pairing.refresh)
+        elif came_up:
+            await asyncio.to_thread(pairing.refresh, False, came_up)
+        elif pairing.needs_probe():
             await asyncio.to_thread(pairing.refresh, True)
 
     async def probe_forever(client: httpx.AsyncClient) -> None:
@@ -163,6 +205,7 @@ def build_app(
 
     async def disaggregate(path: str, endpoint: str, request: Request) -> Response:
         started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
         try:
             raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
             body = json.loads(raw)
@@ -173,6 +216,15 @@ def build_app(
             metrics.requests.labels(endpoint, "bad_request").inc()
             return error_response(
                 400, f"request body is not valid JSON ({exc})", "invalid_request_error"
+            )
+        except RecursionError:
+            body = None  # deeper than Python's parser goes: refused just below
+        if body is None or json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(
+                400,
+                f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                "invalid_request_error",
             )
         wanted = body.get("model") if isinstance(body, dict) else None
         names, max_model_len = await models.facts(proxy.client, wanted)
@@ -206,13 +258,29 @@ def build_app(
             answer = legs.result()
         except LegError as exc:
             finish(f"{exc.leg}_error")
-            return leg_error_response(exc)
+            return leg_error_response(exc, request_id)
         except NoCompatiblePairError as exc:
             finish("incompatible_engines")
-            return error_response(503, str(exc), "incompatible_engines", reasons=exc.reasons)
+            logger.error("request %s: %s", request_id, exc)
+            return error_response(
+                503, str(exc), "incompatible_engines", reasons=exc.reasons, request_id=request_id
+            )
         except NoEngineError as exc:
             finish(f"no_{exc.leg}_engine")
-            return error_response(503, str(exc), "service_unavailable", leg=exc.leg)
+            logger.warning("request %s: %s", request_id, exc)
+            return error_response(
+                503, exc.public_message, "service_unavailable", leg=exc.leg, request_id=request_id
+            )
+        except Exception:
+            finish("router_error")
+            logger.exception("request %s: the router failed to serve it", request_id)
+            return error_response(
+                500,
+                f"the router could not serve this request (request id {request_id}; the "
+                "router's log has the cause)",
+                "router_error",
+                request_id=request_id,
+            )
 
         if not body.get("stream"):
             finish("ok")
@@ -231,9 +299,15 @@ def build_app(
             except httpx.HTTPError as exc:
                 outcome = "decode_stream_broken"
                 health.record_failure(answer.decode, f"stream broke: {exc!r}")
+                logger.warning(
+                    "request %s: decode stream from %s broke: %r",
+                    request_id,
+                    answer.decode.url,
+                    exc,
+                )
                 yield stream_error_event(
-                    f"decode leg failed on engine {answer.decode.label} ({answer.decode.url}) "
-                    f"while streaming: {exc!r}; the answer is incomplete"
+                    f"decode leg failed on engine {answer.decode.label} while streaming: "
+                    f"{type(exc).__name__}; the answer is incomplete (request id {request_id})"
                 )
             except asyncio.CancelledError:
                 outcome = "client_disconnected"
@@ -282,7 +356,6 @@ def build_app(
 
     @app.get("/health")
     async def router_health() -> JSONResponse:
-        await asyncio.to_thread(pairing.refresh)
         engines = [
             {
                 "name": b.label,

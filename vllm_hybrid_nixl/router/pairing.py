@@ -1,26 +1,38 @@
 """Which prefill engine may hand KV to which decode engine, from their layout fingerprints.
 
 Each engine's fingerprint is read from its NIXL side channel (the same string the engines
-compare in their own handshake). A pair is refused when the fingerprints differ or one
-side runs the stock connector; the reason names the fields and both values. Engines
-without a known side channel are not checked (and ``/health`` says so).
+compare in their own handshake), in the request form of the engine's own vLLM release,
+learned from its ``/version`` (a wrong form kills the engine's listener thread, so an
+engine whose release is unknown is not asked). A pair is refused when the fingerprints
+differ, one side runs the stock connector, or one side's fingerprint cannot be read (a
+newer layout protocol): the reason names the fields, values or protocol versions. Engines
+without a side channel, or whose side channel does not answer, are not checked: such a
+pair is allowed, logged once as unchecked, and ``/health`` says so; the engines' own
+handshake still compares layouts before any KV moves.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from vllm_hybrid_nixl.fingerprint import (
+    PROTOCOL_VERSION,
+    WIRE_PREFIX,
     LayoutFingerprint,
     decode,
     describe_differences,
     differences,
     is_ours,
 )
-from vllm_hybrid_nixl.handshake_probe import ProbeError, fetch_compat_string
+from vllm_hybrid_nixl.handshake_probe import ProbeError, fetch_compat_string, speaks_pp_rank_form
 from vllm_hybrid_nixl.router.backends import Backend
+
+logger = logging.getLogger("vllm_hybrid_nixl.router")
 
 
 @dataclass
@@ -30,14 +42,17 @@ class EngineLayout:
     fingerprint: LayoutFingerprint | None = None
     stock: bool = False
     error: str = ""  # why it could not be read (yet)
+    unreadable: str = ""  # the engine sent a fingerprint this router cannot read
 
     @property
     def known(self) -> bool:
-        return self.fingerprint is not None or self.stock
+        return self.fingerprint is not None or self.stock or bool(self.unreadable)
 
     def summary(self) -> str:
         if self.stock:
             return "stock NixlConnector (layout unchecked)"
+        if self.unreadable:
+            return f"unreadable fingerprint: {self.unreadable}"
         if self.fingerprint is None:
             return f"unknown: {self.error}" if self.error else "not checked (no side channel)"
         fp = self.fingerprint
@@ -45,13 +60,24 @@ class EngineLayout:
         return f"{fp.digest()[:16]} block_size={fp.block_size} groups={kinds}"
 
 
+def engine_release(backend: Backend, timeout_s: float = 3.0) -> str:
+    """The vLLM release an engine reports at ``/version``; raises ProbeError."""
+    try:
+        response = httpx.get(f"{backend.url}/version", timeout=timeout_s)
+        response.raise_for_status()
+        return str(response.json()["version"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise ProbeError(f"could not read the engine's vLLM release from /version: {exc}") from exc
+
+
 def probe_layout(backend: Backend, timeout_s: float = 3.0) -> EngineLayout:
-    """Read one engine's fingerprint from its side channel."""
+    """Read one engine's fingerprint from its side channel, in its release's form."""
     if not backend.side_channel:
         return EngineLayout()
     host, _, port = backend.side_channel.rpartition(":")
     try:
-        wire = fetch_compat_string(host, int(port), timeout_s=timeout_s)
+        with_pp_rank = speaks_pp_rank_form(engine_release(backend, timeout_s))
+        wire = fetch_compat_string(host, int(port), timeout_s=timeout_s, with_pp_rank=with_pp_rank)
     except (ProbeError, ValueError) as exc:
         return EngineLayout(error=str(exc))
     if not is_ours(wire):
@@ -59,7 +85,11 @@ def probe_layout(backend: Backend, timeout_s: float = 3.0) -> EngineLayout:
     try:
         return EngineLayout(fingerprint=decode(wire))
     except ValueError as exc:
-        return EngineLayout(error=str(exc))
+        protocol = wire[len(WIRE_PREFIX) :].split(":", 1)[0]
+        return EngineLayout(
+            unreadable=f"layout protocol {protocol!r}, this router reads protocol "
+            f"{PROTOCOL_VERSION} ({exc})"
+        )
 
 
 def pair_problem(prefill: Backend, p: EngineLayout, decode_: Backend, d: EngineLayout) -> str:
@@ -69,6 +99,12 @@ def pair_problem(prefill: Backend, p: EngineLayout, decode_: Backend, d: EngineL
             return (
                 f"{backend.role} engine {backend.label} runs vLLM's stock NixlConnector, which "
                 "does not check hybrid KV-cache layouts; start it with HybridNixlConnector"
+            )
+        if layout.unreadable:
+            return (
+                f"{backend.role} engine {backend.label} sent a layout fingerprint this router "
+                f"cannot read ({layout.unreadable}); run the same vllm-hybrid-nixl release "
+                "on the router and the engines"
             )
     if p.fingerprint is None or d.fingerprint is None:
         return ""  # unknown: nothing to compare (yet)
@@ -92,6 +128,7 @@ class PairingTable:
         self._retry_after_s = retry_after_s
         self._layouts: dict[str, EngineLayout] = {}
         self._probed_at: dict[str, float] = {}
+        self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     def needs_probe(self) -> bool:
@@ -104,9 +141,13 @@ class PairingTable:
                 for b in self._backends
             )
 
-    def refresh(self, only_unknown: bool = False) -> None:
-        """Probe engines: all of them, or only those whose layout is not known yet."""
+    def refresh(self, only_unknown: bool = False, engines: list[Backend] | None = None) -> None:
+        """Probe engines (``engines``, default all): all of them, or only those whose layout
+        is not known yet."""
+        wanted = {b.url for b in engines} if engines is not None else None
         for backend in self._backends:
+            if wanted is not None and backend.url not in wanted:
+                continue
             with self._lock:
                 current = self._layouts.get(backend.url)
                 last = self._probed_at.get(backend.url, -1e9)
@@ -125,7 +166,30 @@ class PairingTable:
             return self._layouts.get(backend.url, EngineLayout())
 
     def problem(self, prefill: Backend, decode_: Backend) -> str:
-        return pair_problem(prefill, self.layout(prefill), decode_, self.layout(decode_))
+        p, d = self.layout(prefill), self.layout(decode_)
+        found = pair_problem(prefill, p, decode_, d)
+        if not found and (p.fingerprint is None or d.fingerprint is None):
+            self._warn_unchecked(prefill, p, decode_, d)
+        return found
+
+    def _warn_unchecked(
+        self, prefill: Backend, p: EngineLayout, decode_: Backend, d: EngineLayout
+    ) -> None:
+        key = (prefill.url, decode_.url)
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning(
+            "pairing %s -> %s is NOT layout-checked by the router (%s: %s; %s: %s); the "
+            "engines' own handshake still compares layouts",
+            prefill.label,
+            decode_.label,
+            prefill.label,
+            p.summary(),
+            decode_.label,
+            d.summary(),
+        )
 
     def problems(self, prefills: list[Backend], decodes: list[Backend]) -> list[str]:
         found = []

@@ -52,10 +52,12 @@ class LegError(Exception):
         detail: str,
         kind: str,
         delivered: bool = True,
+        upstream: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(detail)
         self.leg, self.backend, self.status, self.detail = leg, backend, status, detail
         self.kind, self.delivered = kind, delivered
+        self.upstream = upstream or {}  # the engine's own error object, when it sent one
 
     @property
     def engine_fault(self) -> bool:
@@ -63,37 +65,61 @@ class LegError(Exception):
 
     @property
     def message(self) -> str:
+        """For logs and operators: names the engine's address."""
         return (
             f"{self.leg} leg failed on engine {self.backend.label} ({self.backend.url}): "
             f"{self.detail}"
         )
+
+    @property
+    def public_message(self) -> str:
+        """For clients: the engine's own message for a request it judged, else what failed,
+        by engine name; never an address."""
+        if self.kind == "client_error" and self.upstream.get("message"):
+            return str(self.upstream["message"])
+        return f"{self.leg} leg failed on engine {self.backend.label}: {self.detail}"
 
 
 class NoEngineError(LookupError):
     """No engine of a role could take the leg; names every engine tried and why."""
 
     def __init__(self, leg: str, tried: list[LegError], unavailable: list[Backend]) -> None:
-        parts = [f"{e.backend.label} ({e.backend.url}): {e.detail}" for e in tried]
-        parts += [f"{b.label} ({b.url}): not healthy" for b in unavailable]
-        super().__init__(
-            f"no {leg} engine could take the request; "
-            + ("; ".join(parts) if parts else f"no {leg} engine is configured")
-        )
+        def text(with_addresses: bool) -> str:
+            where = (lambda b: f"{b.label} ({b.url})") if with_addresses else (lambda b: b.label)
+            parts = [f"{where(e.backend)}: {e.detail}" for e in tried]
+            parts += [f"{where(b)}: not healthy" for b in unavailable]
+            return f"no {leg} engine could take the request; " + (
+                "; ".join(parts) if parts else f"no {leg} engine is configured"
+            )
+
+        super().__init__(text(True))
+        self.public_message = text(False)
         self.leg = leg
 
 
-def upstream_detail(response: httpx.Response) -> str:
+def upstream_error(response: httpx.Response) -> dict[str, Any]:
+    """The engine's OpenAI-style error object (message, type, param), or {}."""
     try:
         payload = response.json()
-        message = payload.get("error", {}) if isinstance(payload, dict) else None
-        if isinstance(message, dict):
-            message = message.get("message")
-        if message is None and isinstance(payload, dict):
-            message = payload.get("message") or payload.get("detail")
-        text = str(message if message is not None else payload)
     except (json.JSONDecodeError, ValueError):
-        text = response.text
-    return f"HTTP {response.status_code}: {text[:500]}"
+        return {}
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict):
+        return {k: error[k] for k in ("message", "type", "param") if k in error}
+    if isinstance(payload, dict) and isinstance(payload.get("message"), str):
+        return {"message": payload["message"], "type": payload.get("type")}
+    return {}
+
+
+def upstream_detail(response: httpx.Response) -> str:
+    message = upstream_error(response).get("message")
+    if message is None:
+        try:
+            payload = response.json()
+            message = payload.get("detail", payload) if isinstance(payload, dict) else payload
+        except (json.JSONDecodeError, ValueError):
+            message = response.text
+    return f"HTTP {response.status_code}: {str(message)[:500]}"
 
 
 def client_status(upstream_status: int) -> int:
@@ -106,6 +132,10 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     if "n" in leg:
         leg["n"] = 1
+    # vLLM refuses min_tokens above max_tokens; the decode leg keeps the client's value.
+    minimum = leg.get("min_tokens")
+    if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > 1:
+        leg["min_tokens"] = 1
     return leg
 
 
@@ -229,7 +259,12 @@ class Disaggregator:
                 await response.aclose()
             kind = "client_error" if 400 <= response.status_code < 500 else "engine_error"
             error = LegError(
-                leg, backend, client_status(response.status_code), upstream_detail(response), kind
+                leg,
+                backend,
+                client_status(response.status_code),
+                upstream_detail(response),
+                kind,
+                upstream=upstream_error(response),
             )
             if kind == "client_error":  # the engine is fine; the request was at fault
                 self.health.record_success(backend)
@@ -298,8 +333,12 @@ class Disaggregator:
                 tried.append(exc)
                 self.metrics.retries.labels("prefill").inc()
                 continue
-            params = response.json().get("kv_transfer_params")
-            if not params:
+            try:
+                answer = response.json()
+            except ValueError:
+                answer = None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(params, dict) or not params:
                 raise LegError(
                     "prefill",
                     prefill,
@@ -313,14 +352,22 @@ class Disaggregator:
         raise NoEngineError("prefill", tried, unavailable)
 
     async def decode(
-        self, prefill: Backend, path: str, body: dict[str, Any], stream: bool
+        self,
+        prefill: Backend,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+        avoid: list[Backend] = (),  # type: ignore[assignment]
     ) -> DecodeAnswer:
         tried: list[LegError] = []
+
+        def usable(d: Backend) -> bool:
+            return not self.pairing.problem(prefill, d) and self.health.usable(d)
+
         while True:
-            decode = self.pool.pick(
-                "decode",
-                lambda d: not self.pairing.problem(prefill, d) and self.health.usable(d),
-                [e.backend for e in tried],
+            exclude = [e.backend for e in tried]
+            decode = self.pool.pick("decode", usable, exclude + list(avoid)) or self.pool.pick(
+                "decode", usable, exclude
             )
             if decode is None:
                 unavailable = [d for d in self.pool.decode if d not in [e.backend for e in tried]]
@@ -368,11 +415,12 @@ class Disaggregator:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
         stream = bool(body.get("stream"))
         avoid: list[Backend] = []
+        avoid_decode: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):
             prefill, params = await self.prefill(path, body, avoid)
             try:
                 return await self.decode(
-                    prefill, path, {**body, "kv_transfer_params": params}, stream
+                    prefill, path, {**body, "kv_transfer_params": params}, stream, avoid_decode
                 )
             except LegError as exc:
                 rerun = exc.kind in ("engine_error", "unreachable")
@@ -388,4 +436,5 @@ class Disaggregator:
                 if released:
                     self.metrics.lease_reruns.inc()
                 avoid = [prefill]
+                avoid_decode = [exc.backend]
         raise AssertionError("unreachable")  # the loop returns or raises
