@@ -153,7 +153,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from vllm_hybrid_nixl.router import BackendPool
     from vllm_hybrid_nixl.router.auth import EngineAccessError, check_engine_access
     from vllm_hybrid_nixl.router.server import configure_router_logging, uvicorn_config
-    from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+    from vllm_hybrid_nixl.router.settings import (
+        RouterKeys,
+        RouterSettings,
+        UnsafeBindError,
+        refuse_open_router,
+    )
 
     try:
         pool = BackendPool.from_urls(
@@ -177,8 +182,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
+        refuse_open_router(args.host, settings, keys)
         unreachable = check_engine_access(pool.all(), keys, settings.health_timeout_s)
-    except EngineAccessError as exc:
+    except (EngineAccessError, UnsafeBindError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if unreachable:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.e2e.pd_fixture import (
     PdPair,
@@ -180,6 +182,116 @@ def test_limits_are_enforced_before_any_engine_is_contacted(
     error = response.json()["error"]
     assert words in error["message"] and error["code"] == status
     assert [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)] == before
+
+
+def test_min_tokens_passes_through_p_d(stack: Stack) -> None:
+    """A valid vLLM sampling parameter: clamped on the prefill leg (max_tokens 1), kept on
+    the decode leg."""
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 6, "min_tokens": 5}
+    response = httpx.post(
+        f"{stack.router_url}/v1/completions", json=body, headers=bearer(ROUTER_KEY), timeout=120
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 5
+
+
+@pytest.mark.parametrize(
+    ("extra", "param_word"),
+    [
+        ({"temperature": -3.0}, "temperature"),
+        ({"prompt": [[999999999]]}, "token"),
+        ({"stop": 12}, ""),
+        ({"logprobs": 10**6}, "logprobs"),
+    ],
+)
+def test_engine_judged_errors_reach_the_client_without_addresses(
+    stack: Stack, extra: dict, param_word: str
+) -> None:
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4, **extra}
+    response = httpx.post(
+        f"{stack.router_url}/v1/completions", json=body, headers=bearer(ROUTER_KEY), timeout=120
+    )
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert error["request_id"] and error["type"] != "upstream_error"
+    assert param_word.lower() in json.dumps(error).lower()
+    for engine in (stack.pair.prefill, stack.pair.decode):
+        assert str(engine.spec.port) not in response.text and "127.0.0" not in response.text
+    assert error["request_id"] in stack.router_log.read_text()  # the log has the details
+
+
+def test_a_body_nested_5000_levels_deep_gets_a_json_400(stack: Stack) -> None:
+    before = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    nested = "[" * 5000 + "]" * 5000
+    raw = f'{{"model": "{stack.model}", "prompt": "p", "extra": {nested}}}'
+    response = httpx.post(
+        f"{stack.router_url}/v1/completions",
+        content=raw,
+        headers={**bearer(ROUTER_KEY), "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert "nests JSON deeper" in response.json()["error"]["message"]
+    assert [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)] == before
+
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = {
+    "prompt": st.one_of(
+        st.text(max_size=60), st.lists(st.integers(-5, 5000), max_size=8), JSON_VALUES
+    ),
+    "max_tokens": st.one_of(st.integers(-3, 4), st.integers(2**31, 2**70), JSON_SCALARS),
+    "min_tokens": st.one_of(st.integers(-2, 6), JSON_SCALARS),
+    "temperature": st.one_of(st.floats(-2, 3, allow_nan=False), JSON_SCALARS),
+    "n": st.one_of(st.integers(-1, 3), JSON_SCALARS),
+    "stream": JSON_SCALARS,
+    "stop": JSON_VALUES,
+    "logprobs": st.one_of(st.integers(-1, 30), JSON_SCALARS),
+    "messages": JSON_VALUES,
+    "kv_transfer_params": JSON_VALUES,
+    "extra": JSON_VALUES,
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    fields=st.fixed_dictionaries({}, optional=FIELDS),
+    with_model=st.booleans(),
+    endpoint=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
+def test_generated_bodies_never_get_a_router_5xx(
+    stack: Stack, fields: dict, with_model: bool, endpoint: str
+) -> None:
+    """Property: whatever the body, the router itself answers it (200, or an OpenAI-style
+    4xx/502 naming a leg), never 500; a body the router rejects touches no engine."""
+    body = {"model": stack.model, **fields} if with_model else fields
+    if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"]:
+        body["max_tokens"] = min(body["max_tokens"], 4)
+    before = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+    response = httpx.post(
+        f"{stack.router_url}{endpoint}", json=body, headers=bearer(ROUTER_KEY), timeout=120
+    )
+    assert response.status_code != 500, response.text
+    if response.status_code == 200:
+        return
+    error = response.json()["error"]  # always JSON, OpenAI-style
+    assert error["code"] == response.status_code
+    if "leg" not in error:  # the router's own judgement: no engine saw the request
+        after = [engine_posts(e.spec.url) for e in (stack.pair.prefill, stack.pair.decode)]
+        assert after == before, (body, response.text)
 
 
 def test_a_router_with_the_wrong_engine_key_stops_at_start_up(stack: Stack) -> None:

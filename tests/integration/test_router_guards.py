@@ -208,3 +208,61 @@ def test_router_process_runs_apart_and_stops_by_pid(keyed_router: RouterProcess)
         os.kill(pid, 0)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{spare.url}/health")
+
+
+def test_an_announced_oversized_body_gets_413_before_it_is_sent(open_router) -> None:
+    """Headers only, ``Content-Length`` far over the limit, no body byte sent: the answer
+    comes at once (the router never waits for, or reads, the body)."""
+    with socket.create_connection(("127.0.0.1", open_router.port), timeout=10) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\n\r\n"
+        )
+        answer = connection.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"at most 2048" in answer
+
+
+@pytest.mark.parametrize(
+    ("host", "refused"),
+    [("127.0.0.1", False), ("::1", False), ("localhost", False), ("0.0.0.0", True)],
+)
+def test_a_router_beyond_loopback_needs_a_client_key(host: str, refused: bool) -> None:
+    from vllm_hybrid_nixl.router.settings import UnsafeBindError, refuse_open_router
+
+    if refused:
+        with pytest.raises(UnsafeBindError, match="VLLM_HYBRID_NIXL_API_KEY"):
+            refuse_open_router(host, RouterSettings(), RouterKeys())
+        refuse_open_router(host, RouterSettings(), RouterKeys(api_key=KEY))
+        refuse_open_router(host, RouterSettings(allow_unauthenticated_remote=True), RouterKeys())
+    else:
+        refuse_open_router(host, RouterSettings(), RouterKeys())
+
+
+def test_the_router_command_refuses_an_open_bind_before_serving() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HYBRID_NIXL_")}
+    script = os.path.join(os.path.dirname(sys.executable), "vllm-hybrid-nixl")
+    done = subprocess.run(
+        [
+            script,
+            "router",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+            "--prefill",
+            nowhere(),
+            "--decode",
+            nowhere(),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--allow-unauthenticated-remote" in done.stderr

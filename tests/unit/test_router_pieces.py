@@ -79,3 +79,44 @@ def test_an_error_as_first_stream_event_is_recognised() -> None:
     assert stream_error(token) is None
     assert stream_error(b"data: [DONE]\n\n") is None
     assert stream_error(b"") is None
+
+
+@pytest.mark.parametrize(("given", "sent"), [(3, 1), (1, 1), (0, 0), ("x", "x"), (True, True)])
+def test_min_tokens_is_clamped_to_the_prefill_legs_one_token(given, sent) -> None:
+    """Only integers above 1 are clamped; anything else is left for the engine to judge."""
+    assert prefill_body({"prompt": "p", "min_tokens": given})["min_tokens"] == sent
+
+
+def test_json_depth_is_counted_without_recursion() -> None:
+    from vllm_hybrid_nixl.router.app import json_depth
+
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep, 64) == 65  # stops counting past the limit
+    assert json_depth({"a": [{"b": 1}]}, 64) == 3
+    assert json_depth("scalar", 64) == 0
+
+
+def test_leg_errors_for_clients_name_engines_not_addresses() -> None:
+    from vllm_hybrid_nixl.router.proxy import LegError, NoEngineError
+
+    pool = BackendPool.from_urls(["http://10.1.2.3:8100"], ["http://10.1.2.4:8200"])
+    judged = LegError(
+        "prefill",
+        pool.prefill[0],
+        400,
+        "HTTP 400: bad",
+        "client_error",
+        upstream={
+            "message": "temperature must be >= 0",
+            "type": "BadRequestError",
+            "param": "temperature",
+        },
+    )
+    assert judged.public_message == "temperature must be >= 0"
+    failed = LegError("decode", pool.decode[0], 502, "HTTP 500: boom", "engine_error")
+    assert failed.public_message == "decode leg failed on engine decode-0: HTTP 500: boom"
+    assert "10.1.2.4" in failed.message  # the log keeps the address
+    nothing = NoEngineError("prefill", [judged], [])
+    assert "10.1.2.3" in str(nothing) and "10.1.2.3" not in nothing.public_message

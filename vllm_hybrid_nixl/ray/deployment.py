@@ -19,7 +19,12 @@ from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.router.server import RouterProcess
-from vllm_hybrid_nixl.router.settings import VLLM_ENGINE_KEY_ENV, RouterKeys, RouterSettings
+from vllm_hybrid_nixl.router.settings import (
+    VLLM_ENGINE_KEY_ENV,
+    RouterKeys,
+    RouterSettings,
+    refuse_open_router,
+)
 
 # Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
 # loopback address is kept, so a local cluster binds 127.0.0.2 and all traffic stays on lo.
@@ -93,6 +98,7 @@ class PDDeployment:
         self.stop()
 
     def start(self) -> PDDeployment:
+        refuse_open_router(self.config.router_host, self.router_settings, self.keys)
         self._connect()
         self._check_resources()
         self._start_engines()

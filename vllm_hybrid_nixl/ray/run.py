@@ -13,6 +13,7 @@ from vllm_hybrid_nixl.ray.deployment import (
     PDDeployment,
 )
 from vllm_hybrid_nixl.router.auth import EngineAccessError
+from vllm_hybrid_nixl.router.settings import UnsafeBindError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -44,7 +45,13 @@ def serve_until_signalled(config: PDConfig) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, EngineNotReadyError, IncompatibleEnginesError, EngineAccessError) as exc:
+    except (
+        ConfigError,
+        EngineNotReadyError,
+        IncompatibleEnginesError,
+        EngineAccessError,
+        UnsafeBindError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

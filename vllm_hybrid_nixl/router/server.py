@@ -19,7 +19,7 @@ from vllm_hybrid_nixl.router.app import build_app
 from vllm_hybrid_nixl.router.auth import check_engine_access
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.limits import uvicorn_http_protocol
-from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings, refuse_open_router
 
 READY_LINE = b"router listening"
 
@@ -35,6 +35,9 @@ def configure_router_logging() -> None:
 def uvicorn_config(
     pool: BackendPool, host: str, port: int, settings: RouterSettings, keys: RouterKeys
 ) -> uvicorn.Config:
+    """The router's server; refuses a bind beyond loopback without a client key
+    (:func:`refuse_open_router`)."""
+    refuse_open_router(host, settings, keys)
     return uvicorn.Config(
         build_app(pool, settings, keys),
         host=host,

@@ -7,6 +7,7 @@ in a config file, a process listing or a ``repr``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -71,6 +72,11 @@ class RouterSettings(BaseModel):
         10.0, gt=0, description="a client must send its request headers within this"
     )
     body_timeout_s: float = Field(30.0, gt=0, description="... and its body within this")
+    allow_unauthenticated_remote: bool = Field(
+        False,
+        description="let a router bound beyond loopback serve without a client key "
+        f"({API_KEY_ENV}); anyone who reaches the port can then use the engines",
+    )
 
 
 @dataclass(frozen=True)
@@ -94,3 +100,30 @@ class RouterKeys:
 
     def secrets(self) -> list[str]:
         return [key for key in (self.api_key, self.engine_api_key) if key]
+
+
+class UnsafeBindError(ValueError):
+    """A router bound beyond loopback with no client key, not explicitly allowed."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the router reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def refuse_open_router(host: str, settings: RouterSettings, keys: RouterKeys) -> None:
+    """Raise :class:`UnsafeBindError` for a router on ``host`` that anyone could use."""
+    if is_loopback(host) or keys.api_key or settings.allow_unauthenticated_remote:
+        return
+    raise UnsafeBindError(
+        f"the router would listen on {host}, beyond this machine, with no client key: anyone "
+        "who reaches that port could run requests on your engines. Set a client key "
+        f"({API_KEY_ENV}=... in the router's environment), bind 127.0.0.1 (router host), or "
+        "say explicitly that this is intended: --allow-unauthenticated-remote (Ray configs: "
+        "router: {allow_unauthenticated_remote: true})."
+    )
