@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-decode", type=int)
     serve.add_argument("--dtype")
     serve.add_argument("--block-size", type=int)
-    serve.add_argument("--connector", help="HybridNixlConnector (default) or NixlConnector")
+    serve.add_argument("--connector", help="HybridNixlConnector (the default and only choice)")
     serve.add_argument("--router-host")
     serve.add_argument("--router-port", type=int)
     serve.add_argument("--address", help="Ray cluster address (default: start a local one)")

@@ -277,3 +277,10 @@ def fail_received(worker: Any, results: Any, failed: dict[str, Any]) -> None:
 def kv_load_failure_policy(kv_transfer_config: Any) -> str:
     """``fail`` or ``recompute``; releases before the setting existed recompute."""
     return str(getattr(kv_transfer_config, "kv_load_failure_policy", "recompute"))
+
+
+def on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here (vLLM's CPU build), whatever buffer the
+    KV transfer uses."""
+    platforms = importlib.import_module("vllm.platforms")
+    return str(getattr(platforms.current_platform, "device_type", "")) == "cpu"

@@ -10,6 +10,7 @@ starting a third engine on a small machine."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -86,6 +87,9 @@ def stream_timing(client: httpx.Client, url: str, body: dict) -> tuple[float, fl
 
 
 def run_demo(options: DemoOptions) -> int:
+    # The demo serves a model built here: nothing to download, so engines must not try
+    # (engines started for real deployments keep the hub reachable).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wall = time.perf_counter()
     model = ensure_model(options.model)
     setup_s = time.perf_counter() - wall

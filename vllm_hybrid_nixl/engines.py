@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from vllm_hybrid_nixl.keepalive import set_engine_keep_alive
+from vllm_hybrid_nixl.placement import cpu_list
 
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
@@ -44,7 +45,7 @@ class EngineSpec:
     connector: str = "HybridNixlConnector"
     side_channel_port: int = 5600
     host: str = "127.0.0.1"
-    cpu_core: int | None = None
+    cpu_core: int | list[int] | None = None  # the core(s) its compute threads are bound to
     kv_buffer_device: str = "cpu"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -91,13 +92,13 @@ class EngineSpec:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         set_engine_keep_alive(env)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu_core is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+            cores = [self.cpu_core] if isinstance(self.cpu_core, int) else self.cpu_core
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
         if self.host.startswith("127."):
             # An engine on a loopback address talks only to peers on this machine: keep
             # UCX (NIXL's transport) on the loopback device too, instead of also trying the

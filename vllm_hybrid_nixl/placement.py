@@ -30,3 +30,36 @@ def engine_cores(num_prefill: int, num_decode: int, cores: int) -> tuple[list[in
         [prefill_set[i % len(prefill_set)] for i in range(num_prefill)],
         [decode_set[i % len(decode_set)] for i in range(num_decode)],
     )
+
+
+def engine_core_sets(
+    num_prefill: int, num_decode: int, cores: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each engine's share of one node's ``cores``: with at least a core per engine, the
+    cores are split into contiguous sets (prefill engines first, then decode engines, so the
+    roles never share a core); with fewer, as :func:`engine_cores` (one core each)."""
+    total = num_prefill + num_decode
+    if total == 0 or total > cores:
+        prefill, decode = engine_cores(num_prefill, num_decode, cores)
+        return [[c] for c in prefill], [[c] for c in decode]
+    share, extra = divmod(cores, total)
+    sets, start = [], 0
+    for index in range(total):
+        size = share + (1 if index < extra else 0)
+        sets.append(list(range(start, start + size)))
+        start += size
+    return sets[:num_prefill], sets[num_prefill:]
+
+
+def cpu_list(cores: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the form of ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    parts, ordered = [], sorted(set(cores))
+    start = previous = ordered[0]
+    for core in [*ordered[1:], None]:
+        if core is not None and core == previous + 1:
+            previous = core
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if core is not None:
+            start = previous = core
+    return ",".join(parts)

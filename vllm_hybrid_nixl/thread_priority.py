@@ -9,6 +9,7 @@ the core from the engine's own work.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -55,3 +56,27 @@ def make_idle(tids: list[int]) -> list[int]:
 def make_normal(tids: list[int]) -> list[int]:
     """Give each thread back the normal policy (SCHED_OTHER); returns those that took it."""
     return _set_policy(tids, os.SCHED_OTHER)
+
+
+def can_undo_idle() -> bool:
+    """Whether this process may move a thread from SCHED_IDLE back to SCHED_OTHER: Linux
+    lets anyone lower a thread's priority but raising it again needs CAP_SYS_NICE, which
+    Docker's default capability set and non-root users lack. Tried on a thread of its own."""
+    answer: list[bool] = []
+
+    def trial() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            answer.append(False)  # cannot even lower it: nothing would be idled either
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=trial, name="sched-idle-trial", daemon=True)
+    thread.start()
+    thread.join(5)
+    return bool(answer and answer[0])

@@ -36,6 +36,7 @@ from vllm_hybrid_nixl.layout import (
     check_layout,
 )
 from vllm_hybrid_nixl.lease.connector_side import LeaseReaderMixin
+from vllm_hybrid_nixl.thread_care import ProgressThreadCare
 
 # A child of the "vllm" logger, so vLLM's log handlers and level apply in every process.
 logger = logging.getLogger("vllm.hybrid_nixl.worker")
@@ -122,7 +123,7 @@ class HybridRegistrationMixin:
         threads_before = thread_priority.thread_ids()
         compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
         super().__init__(*args, **kwargs)
-        self._idle_threads = self._idle_busy_new_threads(
+        self._thread_care = self._care_for_new_threads(
             thread_priority.thread_ids() - threads_before
         )
         if os.sched_getaffinity(0) != affinity:
@@ -133,28 +134,20 @@ class HybridRegistrationMixin:
                 sorted(affinity),
             )
 
-    def _idle_busy_new_threads(self, new_threads: set[int]) -> list[int]:
-        """Idle priority for the threads vLLM's worker started that spin (NIXL's progress
-        thread). On by default with a CPU KV buffer; ``kv_connector_extra_config``
-        ``idle_progress_thread`` (true/false) decides explicitly."""
+    def _care_for_new_threads(self, new_threads: set[int]) -> ProgressThreadCare | None:
+        """Idle priority for the busy threads vLLM's worker started (NIXL's progress thread):
+        on by default on vLLM's CPU platform, where it shares the engine's cores;
+        ``kv_connector_extra_config`` ``idle_progress_thread`` (true/false) decides
+        explicitly."""
         config = getattr(self, "kv_transfer_config", None) or getattr(
             getattr(self, "vllm_config", None), "kv_transfer_config", None
         )
-        default = getattr(config, "kv_buffer_device", "cuda") == "cpu"
-        wanted = default
+        wanted = compat.on_cpu_platform()
         if config is not None:
-            wanted = bool(config.get_from_extra_config("idle_progress_thread", default))
+            wanted = bool(config.get_from_extra_config("idle_progress_thread", wanted))
         if not wanted or not new_threads:
-            return []
-        idle = thread_priority.make_idle(thread_priority.busy_threads(new_threads))
-        if idle:
-            logger.info(
-                "vllm-hybrid-nixl: %d busy-polling thread(s) started by the NIXL worker now run "
-                "at idle priority (threads %s); they poll only when the core is free",
-                len(idle),
-                idle,
-            )
-        return idle
+            return None
+        return ProgressThreadCare(new_threads)
 
     #: "pull" (decode READs) or "push" (prefill WRITEs); part of the layout fingerprint.
     transfer_mode: str = "pull"
@@ -188,15 +181,15 @@ class HybridRegistrationMixin:
             len({item.layer.group_id for item in self.validated_layers}),
             self.layout_check_seconds * 1e3,
         )
-        # Registering memory waits on NIXL's progress thread: at idle priority beside a busy
-        # thread on its core (a stock NIXL engine's spinning one, in CI) registration hung for
-        # minutes. Normal priority while registering, idle again afterwards.
-        idle = getattr(self, "_idle_threads", [])
-        thread_priority.make_normal(idle)
+        # Registering memory waits on NIXL's progress thread (thread_care.py).
+        care = getattr(self, "_thread_care", None)
+        if care is not None:
+            care.before_registration()
         try:
             super().register_kv_caches(for_registration)  # type: ignore[misc]
         finally:
-            thread_priority.make_idle(idle)
+            if care is not None:
+                care.after_registration()
         self._install_fingerprint()
 
     def _as_the_base_reads_them(

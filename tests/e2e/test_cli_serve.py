@@ -164,7 +164,7 @@ def test_serve_prints_router_and_stops_everything_on_sigterm(
         ),
         (
             ["--model", "MODEL", "--connector", "MadeUpConnector"],
-            "unknown connector 'MadeUpConnector'; use one of HybridNixlConnector, NixlConnector",
+            "unknown connector 'MadeUpConnector'; use one of HybridNixlConnector",
         ),
         (
             ["--model", "MODEL", "--num-prefill", "3", "--num-decode", "3"],

@@ -106,3 +106,11 @@ def test_keys_in_a_config_file_are_refused_with_where_they_belong(
     assert f"{name} does not belong in a config file" in message
     assert "export VLLM_HYBRID_NIXL_ENGINE_API_KEY" in message
     assert "sk-123456" not in message
+
+
+def test_the_stock_connector_is_refused_before_anything_starts(tmp_path) -> None:
+    """The launcher would refuse its pairs only after every engine had started."""
+    from vllm_hybrid_nixl.ray.config import ConfigError, make_config
+
+    with pytest.raises(ConfigError, match="NixlConnector .vLLM's stock connector. cannot"):
+        make_config(model=str(tmp_path), connector="NixlConnector")

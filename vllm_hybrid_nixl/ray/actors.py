@@ -9,6 +9,7 @@ once its ``/health`` answers.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -81,7 +82,15 @@ class EngineActor:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
-    def start(self) -> dict[str, Any]:
+    def node_facts(self) -> tuple[str, int]:
+        """(Ray node id, cores of that node): the deployment shares each node's cores among
+        the engines placed on it."""
+        return self.node_id, os.cpu_count() or 1
+
+    def start(self, cpu_cores: list[int] | None = None) -> dict[str, Any]:
+        """Start the engine; ``cpu_cores``: its share of this node's cores (CPU engines)."""
+        if cpu_cores is not None and self.engine.spec.kv_buffer_device == "cpu":
+            self.engine.spec = dataclasses.replace(self.engine.spec, cpu_core=list(cpu_cores))
         self.engine.start()
         return self.info()
 

@@ -15,7 +15,7 @@ from vllm_hybrid_nixl.router.settings import (
     RouterSettings,
 )
 
-ROUTABLE_CONNECTORS = ("HybridNixlConnector", "NixlConnector")
+ROUTABLE_CONNECTORS = ("HybridNixlConnector",)
 
 
 class ConfigError(ValueError):
@@ -78,6 +78,13 @@ class PDConfig(BaseModel):
                 "HybridNixlPushConnector is not supported by the router yet (a push request "
                 "needs its decode leg to start while the prefill leg runs); use "
                 "HybridNixlConnector"
+            )
+        if value in ("NixlConnector", "NixlPullConnector", "NixlPushConnector"):
+            raise ValueError(
+                f"{value} (vLLM's stock connector) cannot be deployed here: the router and "
+                "the launcher refuse to pair engines whose KV-cache layouts they cannot check, "
+                "so such a deployment would start and then serve nothing; use "
+                "HybridNixlConnector (the default)"
             )
         if value not in ROUTABLE_CONNECTORS:
             raise ValueError(

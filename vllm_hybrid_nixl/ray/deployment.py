@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -13,7 +12,7 @@ import httpx
 import ray
 
 from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
-from vllm_hybrid_nixl.placement import engine_cores
+from vllm_hybrid_nixl.placement import engine_core_sets
 from vllm_hybrid_nixl.ray.actors import EngineActor
 from vllm_hybrid_nixl.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -181,12 +180,9 @@ class PDDeployment:
         env = dict(config.env)
         if self.keys.engine_api_key:
             env[VLLM_ENGINE_KEY_ENV] = self.keys.engine_api_key
-        prefill_cores, decode_cores = engine_cores(
-            config.num_prefill, config.num_decode, os.cpu_count() or 1
-        )
-        for role, count, extra, cores in (
-            ("prefill", config.num_prefill, config.prefill_resources, prefill_cores),
-            ("decode", config.num_decode, config.decode_resources, decode_cores),
+        for role, count, extra in (
+            ("prefill", config.num_prefill, config.prefill_resources),
+            ("decode", config.num_decode, config.decode_resources),
         ):
             for i in range(count):
                 name = f"{role}-{i}"
@@ -204,18 +200,39 @@ class PDDeployment:
                     config.serve_args(),
                     env,
                     self.log_dir,
-                    cores[i],
+                    None,
                     config.engine_max_restarts,
                     config.engine_restart_backoff_s,
                 )
                 self.engines.append(EngineHandle(name, role, actor))
-        infos = ray.get([e.actor.start.remote() for e in self.engines], timeout=300)
+        cores = self._cores_per_engine()
+        infos = ray.get([e.actor.start.remote(cores[e.name]) for e in self.engines], timeout=300)
         for engine, info in zip(self.engines, infos, strict=True):
             engine.info = info
             _say(
                 f"  {engine.name}: {info['url']} on node {info['node_ip']} "
                 f"(NIXL side channel {info['side_channel']}, log {info['log']})"
             )
+
+    def _cores_per_engine(self) -> dict[str, list[int]]:
+        """Each engine's share of the cores of the node Ray placed it on (prefill and decode
+        engines of one node on disjoint cores while there are enough)."""
+        facts = ray.get([e.actor.node_facts.remote() for e in self.engines], timeout=120)
+        by_node: dict[str, list[tuple[EngineHandle, int]]] = {}
+        for engine, (node_id, cores) in zip(self.engines, facts, strict=True):
+            by_node.setdefault(node_id, []).append((engine, cores))
+        shares: dict[str, list[int]] = {}
+        for placed in by_node.values():
+            prefill = [e for e, _ in placed if e.role == "prefill"]
+            decode = [e for e, _ in placed if e.role == "decode"]
+            prefill_sets, decode_sets = engine_core_sets(len(prefill), len(decode), placed[0][1])
+            pairs = [
+                *zip(prefill, prefill_sets, strict=True),
+                *zip(decode, decode_sets, strict=True),
+            ]
+            for engine, core_set in pairs:
+                shares[engine.name] = core_set
+        return shares
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
