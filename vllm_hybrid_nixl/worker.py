@@ -55,18 +55,52 @@ def _layer_specs_and_groups(kv_cache_config: Any) -> dict[str, tuple[Any, int]]:
     return result
 
 
+def _require_specs_or_shared(
+    kv_caches: dict[str, torch.Tensor], specs: dict[str, tuple[Any, int]]
+) -> None:
+    """A cache without a KV-cache spec must be another layer's cache (vLLM's KV sharing:
+    the same bytes as a layer that has a spec); anything else would be registered unchecked."""
+    checked = {
+        (cache.data_ptr(), tuple(cache.shape)) for name, cache in kv_caches.items() if name in specs
+    }
+    for name, cache in kv_caches.items():
+        if name in specs or (cache.data_ptr(), tuple(cache.shape)) in checked:
+            continue
+        raise HybridLayoutError(
+            f"KV cache of layer '{name}' (shape {tuple(cache.shape)}, dtype {cache.dtype}) has "
+            "no KV-cache spec in vLLM's KV-cache config and is not another layer's cache, so "
+            "its layout cannot be checked; NIXL would move its bytes unchecked. What to change: "
+            "report this model and vLLM release to vllm-hybrid-nixl; until then run it with the "
+            "stock NixlConnector at your own risk."
+        )
+
+
+def kernel_blocks_per_block(worker: Any) -> int:
+    """r: kernel blocks per logical block, as this release's NIXL worker computed it."""
+    ratio = getattr(worker, "_physical_blocks_per_logical_kv_block", None)
+    if ratio is None:
+        raise HybridLayoutError(
+            "vLLM's NIXL worker has no _physical_blocks_per_logical_kv_block (kernel blocks "
+            "per logical block); this vLLM release renamed it, and without it the layout "
+            "check cannot tell [NB, PS] from [NB*r, PS/r]. What to change: use a supported "
+            f"vLLM ({compat.SUPPORTED_RANGE}) or a vllm-hybrid-nixl release made for yours."
+        )
+    return int(ratio)
+
+
 def describe_layers(
     kv_caches: dict[str, torch.Tensor], kv_cache_config: Any, ratio: int
 ) -> list[LayerDescription]:
     """Describe every layer that has a KV-cache spec, as plain data for the check."""
     specs = _layer_specs_and_groups(kv_cache_config)
+    _require_specs_or_shared(kv_caches, specs)
     # Groups share one spec object; classify each spec once (256-layer models add up).
     spec_facts: dict[int, tuple[str, str, int]] = {}
     num_blocks = int(kv_cache_config.num_blocks)
     layers = []
     for name, cache in kv_caches.items():
         if name not in specs:
-            continue  # no spec: the layer reuses another layer's cache
+            continue  # no spec: it reuses another layer's cache (checked above)
         spec, group_id = specs[name]
         facts = spec_facts.get(id(spec))
         if facts is None:
@@ -157,9 +191,10 @@ class HybridRegistrationMixin:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
-        ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
+        ratio = kernel_blocks_per_block(self)
         layers = describe_layers(kv_caches, self.kv_cache_config, ratio)
         self.validated_layers = check_layout(layers)
+        self._refuse_strides_vllm_ignores()
         views = {
             item.layer.name: item for item in self.validated_layers if item.needs_physical_view
         }
@@ -191,6 +226,29 @@ class HybridRegistrationMixin:
             if care is not None:
                 care.after_registration()
         self._install_fingerprint()
+
+    def _refuse_strides_vllm_ignores(self) -> None:
+        """Blocks further apart than a page (block-outermost packing of several layers) are
+        handed to vLLM as they are; releases before 0.30 step NIXL descriptors by the page
+        size, not the tensor's stride, and would move other layers' bytes."""
+        if compat.stock_block_strides_from_tensor():
+            return
+        for item in self.validated_layers:
+            if item.needs_physical_view or item.form not in (
+                LayoutForm.LOGICAL,
+                LayoutForm.PHYSICAL,
+            ):
+                continue
+            if item.block_stride != item.physical_page_size:
+                installed = compat.installed_vllm()
+                raise HybridLayoutError(
+                    f"KV cache of layer '{item.layer.name}' has blocks {item.block_stride} "
+                    f"bytes apart but pages of {item.physical_page_size} bytes; the NIXL "
+                    f"worker of vLLM {installed.version if installed else '?'} steps "
+                    "descriptors by the page size, so it would transfer the wrong bytes. What "
+                    "to change: vLLM 0.30 or newer (it steps by the tensor's stride), or a "
+                    "KV-cache layout with one layer per allocation."
+                )
 
     def _as_the_base_reads_them(
         self, kv_caches: dict[str, torch.Tensor], views: dict[str, torch.Tensor]

@@ -283,3 +283,42 @@ def test_side_channel_request_form_read_from_the_version_matches_the_worker() ->
     from vllm_hybrid_nixl import compat
 
     assert compat.side_channel_wants_pp_rank() == compat.handshake_takes_pp_rank()
+
+
+def test_a_cache_without_a_spec_that_is_no_layers_cache_is_refused(
+    setup: harness.ModelSetup,
+) -> None:
+    caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=3).views
+    stray = torch.zeros_like(next(iter(caches.values())))  # bytes of its own, no spec
+    ours = make_worker(setup, 1)
+    try:
+        with pytest.raises(HybridLayoutError, match="layer 'model.layers.99.stray'.*no KV-cache"):
+            ours.register_kv_caches({**caches, "model.layers.99.stray": stray})
+    finally:
+        ours.shutdown()
+
+
+def test_a_cache_without_a_spec_that_shares_a_layers_bytes_is_accepted(
+    setup: harness.ModelSetup,
+) -> None:
+    """vLLM's KV sharing: a layer reusing another layer's cache has no spec of its own."""
+    caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=4).views
+    first = sorted(caches)[0]
+    ours = make_worker(setup, 1)
+    try:
+        ours.register_kv_caches({**caches, "model.layers.99.shared": caches[first]})
+    finally:
+        ours.shutdown()
+
+
+def test_a_release_without_the_kernel_block_ratio_is_refused_by_name(
+    setup: harness.ModelSetup,
+) -> None:
+    caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=5).views
+    ours = make_worker(setup, 1)
+    try:
+        del ours._physical_blocks_per_logical_kv_block  # as if vLLM had renamed it
+        with pytest.raises(HybridLayoutError, match="_physical_blocks_per_logical_kv_block"):
+            ours.register_kv_caches(caches)
+    finally:
+        ours.shutdown()
