@@ -8,8 +8,14 @@ the decode engine pins nothing for them). Requests alternate between the two, on
 
     python -m bench.lease_guard [--requests 40]
 
+TTFT through P/D on two shared cores varies by hundreds of milliseconds between requests, far
+more than the guard can cost, so the run also times what the guard adds to a request by
+itself: one pin, a ZeroMQ round trip from this process to a lease service in another process
+over 127.0.0.1 (the decode engine core asks, the prefill engine core answers), 2000 times.
+``lease_guard_cost_ratio`` = (unguarded TTFT p50 + pin p50) / unguarded TTFT p50.
+
 Writes ``bench/results/lease_guard.json`` and ``lease_guard_ttft_ratio`` (guarded / not,
-median TTFT) into ``bench/results/latest.json``.
+median TTFT, side by side) and ``lease_guard_cost_ratio`` into ``bench/results/latest.json``.
 """
 
 from __future__ import annotations
@@ -67,6 +73,42 @@ def engines(model: Path, logs: Path) -> dict[str, EngineProcess]:
     return {name: EngineProcess(spec, logs / f"{name}.log") for name, spec in specs.items()}
 
 
+SERVER = """
+import sys, time
+from vllm_hybrid_nixl.lease.table import LeaseTable
+from vllm_hybrid_nixl.lease.wire import LeaseServer
+table = LeaseTable(3600, 3600, forget_after_s=7200)
+for i in range(5000):
+    table.hold(f"req-{i}")
+server = LeaseServer(table, "127.0.0.1")
+print(server.address.port, server.address.epoch, flush=True)
+time.sleep(600)
+"""
+
+
+def pin_round_trips(count: int = 2000) -> dict[str, float]:
+    """Milliseconds per pin (p50, p99) against a lease service in another process."""
+    import subprocess
+
+    from vllm_hybrid_nixl.lease.wire import LeaseAddress, ask
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port, epoch = server.stdout.readline().split()  # type: ignore[union-attr]
+        address = LeaseAddress("127.0.0.1", int(port), epoch)
+        times = []
+        for i in range(count):
+            started = time.perf_counter()
+            answer = ask(address, "pin", [f"req-{i}"])
+            times.append((time.perf_counter() - started) * 1e3)
+            assert answer[f"req-{i}"].readable
+    finally:
+        server.kill()
+        server.wait()
+    times.sort()
+    return {"p50": times[len(times) // 2], "p99": times[int(len(times) * 0.99)]}
+
+
 def run(requests: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", TinyModelSpec())
@@ -98,11 +140,15 @@ def run(requests: int) -> dict:
             for engine in started.values():
                 engine.stop()
     medians = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    pin = pin_round_trips()
     return {
         "requests_each": requests,
         "prompt_words": 22 * 9,
         "ttft_ms_p50": medians,
+        "ttft_ms_spread": {name: [min(v) * 1e3, max(v) * 1e3] for name, v in times.items()},
+        "pin_ms": pin,
         "lease_guard_ttft_ratio": medians["guarded"] / medians["unguarded"],
+        "lease_guard_cost_ratio": (medians["unguarded"] + pin["p50"]) / medians["unguarded"],
     }
 
 
@@ -117,6 +163,7 @@ def main() -> int:
     latest_path = args.out / "latest.json"
     latest = json.loads(latest_path.read_text()) if latest_path.exists() else {}
     latest["lease_guard_ttft_ratio"] = result["lease_guard_ttft_ratio"]
+    latest["lease_guard_cost_ratio"] = result["lease_guard_cost_ratio"]
     latest_path.write_text(json.dumps(latest, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

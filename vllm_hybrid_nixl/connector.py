@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_hybrid_nixl import compat
 from vllm_hybrid_nixl.lease.connector_side import LeaseHolderMixin
+from vllm_hybrid_nixl.mamba_guard import refuse_unservable_mamba
 from vllm_hybrid_nixl.worker import HybridNixlPullWorker, HybridNixlPushWorker
 
 _NIXL = compat.nixl_classes()
@@ -22,6 +23,7 @@ class _HybridWorkerMixin:
     _hybrid_worker_class: type
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        refuse_unservable_mamba(vllm_config, kv_cache_config)
         if role != _NIXL.connector_role.WORKER:
             super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
             return

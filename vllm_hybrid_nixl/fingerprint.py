@@ -43,6 +43,8 @@ FIELD_HINTS = {
     "protocol": "install the same vllm-hybrid-nixl release on both engines",
     "hybrid_kv_cache_manager": "set --disable-hybrid-kv-cache-manager the same on both engines",
     "num_groups": "serve the same model with the same hybrid allocator settings on both engines",
+    "state": "give both engines the same VLLM_SSM_CONV_STATE_LAYOUT (DS), --mamba-ssm-cache-dtype "
+    "and --mamba-cache-dtype",
 }
 
 
@@ -66,6 +68,11 @@ class GroupFingerprint:
     page_bytes: int  # bytes of one logical block of one layer
     sliding_window: int | None
     dtype: str
+    #: Mamba / linear-attention groups: the kind of state and each state tensor's shape and
+    #: dtype ("mamba2 (8,4,32)+(8,16,32) float32+float32"). The shapes follow the conv-state
+    #: layout (VLLM_SSM_CONV_STATE_LAYOUT) and the dtypes --mamba-ssm-cache-dtype /
+    #: --mamba-cache-dtype, so engines that differ there differ here.
+    state: str = ""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,17 @@ def representative_spec(spec: Any) -> Any:
     return spec
 
 
+def mamba_state(spec: Any) -> str:
+    """What a Mamba group's state is made of: its kind, and each state tensor's shape and
+    dtype (the conv-state layout shows in the shapes)."""
+    kind = str(getattr(spec, "mamba_type", "mamba")).rsplit(".", 1)[-1].lower()
+    shapes = "+".join(
+        "(" + ",".join(str(d) for d in shape) + ")" for shape in getattr(spec, "shapes", ())
+    )
+    dtypes = "+".join(str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ()))
+    return f"{kind} {shapes} {dtypes}"
+
+
 def group_fingerprints(
     kv_cache_config: Any, kernel_block_size: int
 ) -> tuple[GroupFingerprint, ...]:
@@ -52,6 +63,7 @@ def group_fingerprints(
         )
         groups.append(
             GroupFingerprint(
+                state=mamba_state(spec) if kind in MAMBA_KINDS else "",
                 kind=kind,
                 num_layers=len(group.layer_names),
                 block_size=block_size,

@@ -2,7 +2,12 @@
 
 Nothing is downloaded: weights are random with a fixed seed, the tokenizer is a small
 BPE trained with ``tokenizers`` on generated text.  The hybrid architectures mix
-sliding-window and full-attention layers so vLLM forms several KV-cache groups.
+sliding-window and full-attention layers (``llama-hybrid``, ``gemma3``), Mamba2 and attention
+layers (``nemotron-h``) or gated-delta-net linear attention and full attention
+(``qwen3-next``), so vLLM forms several KV-cache groups.
+
+``qwen3-next`` is bf16 with head size 128: vLLM's CPU gated-delta-net kernel accepts
+nothing else (it asserts bf16 and rejects head size 32).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from vllm_hybrid_nixl.paths import OutputDirError, checked_output_dir
 
 __all__ = ["ARCHES", "OutputDirError", "TinyModelSpec", "build_tiny_model"]
 
-ARCHES = ("llama", "llama-hybrid", "gemma3")
+ARCHES = ("llama", "llama-hybrid", "gemma3", "nemotron-h", "qwen3-next")
+#: Architectures whose layers keep Mamba / linear-attention state.
+MAMBA_ARCHES = ("nemotron-h", "qwen3-next")
 # A plain chat template, so /v1/chat/completions works on the tiny models.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
@@ -71,7 +78,7 @@ def _build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
 
 
 def _layer_types(spec: TinyModelSpec) -> list[str] | None:
-    if spec.arch == "llama":
+    if spec.arch in ("llama", *MAMBA_ARCHES):
         return None
     # llama-hybrid: every other layer slides; gemma3: 2 of every 3 (its 5:1 pattern, shrunk).
     period = 3 if spec.arch == "gemma3" else 2
@@ -83,7 +90,62 @@ def _layer_types(spec: TinyModelSpec) -> list[str] | None:
     return types
 
 
+def _mamba_config(spec: TinyModelSpec, vocab_size: int):
+    """Mamba2 + attention (NemotronH) or gated delta net + attention (Qwen3-Next)."""
+    ids = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kinds = ["mamba" if i % 2 == 0 else "attention" for i in range(spec.layers)]
+    if spec.arch == "nemotron-h":
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(
+            **ids,
+            hidden_size=spec.hidden,
+            layers_block_type=kinds,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.kv_heads,
+            head_dim=spec.hidden // spec.heads,
+            intermediate_size=spec.hidden * 2,
+            max_position_embeddings=spec.max_positions,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=1,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=64,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **ids,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.hidden * 2,
+        num_hidden_layers=spec.layers,
+        layer_types=["linear_attention" if k == "mamba" else "full_attention" for k in kinds],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=spec.hidden,
+        shared_expert_intermediate_size=spec.hidden,
+        decoder_sparse_step=1,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+
+
 def _config(spec: TinyModelSpec, vocab_size: int):
+    if spec.arch in MAMBA_ARCHES:
+        return _mamba_config(spec, vocab_size)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
@@ -163,5 +225,7 @@ def _write_model(out: Path, spec: TinyModelSpec) -> None:
         generator = torch.Generator().manual_seed(spec.seed)
         for param in model.parameters():  # larger weights give less uniform logits
             param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    if spec.arch == "qwen3-next":
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))

@@ -1,0 +1,145 @@
+"""A Mamba2 hybrid (tiny NemotronH: Mamba2 and attention layers) through P/D with
+HybridNixlConnector: real ``vllm serve`` engines started by our launcher, which sets what
+Mamba P/D needs (VLLM_SSM_CONV_STATE_LAYOUT=DS; prefix caching off on vLLM's CPU build).
+Greedy answers must equal the prefill engine answering alone, token for token, with the
+prompt's state read over NIXL; configurations that would die or corrupt are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
+from vllm_hybrid_nixl.engines import EngineProcess
+from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "The lighthouse keeper wrote in the log that " * 6,
+    "a mamba layer keeps one state per request " * 9,
+    "short prompt",
+    "the ships came in from the west and the harbour master counted them " * 4,
+]
+
+
+@pytest.fixture(scope="module")
+def mamba_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-nemotron-h"), TinyModelSpec("nemotron-h"))
+
+
+@pytest.fixture(scope="module")
+def pair(mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
+    yield from start_pair(mamba_model, tmp_path_factory.mktemp("mamba-logs"), {}, {})
+
+
+def body(model: str, prompt: str) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["lighthouse", "mamba", "short", "ships"])
+def test_mamba_pd_equals_colocated_and_the_state_came_over_nixl(pair: PdPair, prompt) -> None:
+    run = run_pd_and_colocated(pair, body(pair.model, prompt))
+    assert run.pd_choice["token_ids"] == run.colocated_choice["token_ids"]
+    assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0
+    # vLLM's decoder recomputes the last prompt token for Mamba (its prefill backoff)
+    assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
+
+
+def test_the_launcher_set_what_mamba_pd_needs(pair: PdPair) -> None:
+    for engine in (pair.prefill, pair.decode):
+        environ = Path(f"/proc/{engine.pid}/environ").read_bytes().split(b"\0")
+        assert b"VLLM_SSM_CONV_STATE_LAYOUT=DS" in environ
+        cmdline = Path(f"/proc/{engine.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--no-enable-prefix-caching" in cmdline
+    assert "validated" in pair.decode.log_text()
+
+
+def test_mamba_pd_through_the_router(pair: PdPair) -> None:
+    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if httpx.get(f"{router.url}/health", timeout=30).status_code == 200:
+                break
+            time.sleep(0.5)
+        with httpx.Client(timeout=120) as client:
+            for prompt in PROMPTS[:2]:
+                routed = client.post(f"{router.url}/v1/completions", json=body(pair.model, prompt))
+                alone = client.post(
+                    f"{pair.prefill.spec.url}/v1/completions", json=body(pair.model, prompt)
+                )
+                assert routed.status_code == 200, routed.text
+                assert routed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    finally:
+        router.stop()
+
+
+def test_prefix_caching_on_a_mamba_model_is_refused_at_start_up(
+    pair: PdPair, tmp_path: Path
+) -> None:
+    """vLLM's CPU build would start this engine and die at its first long prompt."""
+    spec = dataclasses.replace(
+        pair.prefill.spec,
+        port=free_port(),
+        side_channel_port=free_port(),
+        extra_args=[*pair.prefill.spec.extra_args, "--enable-prefix-caching"],
+    )
+    engine = EngineProcess(spec, tmp_path / "refused.log").start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "refuses to start" not in engine.log_text():
+            time.sleep(1)
+        log = engine.log_text()
+        assert "vllm-hybrid-nixl refuses to start this engine" in log
+        assert "--no-enable-prefix-caching" in log
+    finally:
+        engine.stop()
+
+
+def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
+    pair: PdPair, tmp_path: Path
+) -> None:
+    """A decode engine whose SSM state is bf16 would read the prefill's float32 state as
+    garbage: its handshake refuses, naming the state field."""
+    spec = dataclasses.replace(
+        pair.decode.spec,
+        port=free_port(),
+        side_channel_port=free_port(),
+        extra_args=[*pair.decode.spec.extra_args, "--mamba-ssm-cache-dtype", "bfloat16"],
+    )
+    decode = EngineProcess(spec, tmp_path / "decode-bf16.log").start()
+    try:
+        decode.wait_healthy(timeout_s=420)
+        with httpx.Client(timeout=120) as client:
+            leg = {**body(pair.model, PROMPTS[0]), "max_tokens": 1}
+            params = client.post(
+                f"{pair.prefill.spec.url}/v1/completions",
+                json={**leg, "kv_transfer_params": {"do_remote_decode": True}},
+            ).json()["kv_transfer_params"]
+            answer = client.post(
+                f"{spec.url}/v1/completions",
+                json={**body(pair.model, PROMPTS[0]), "kv_transfer_params": params},
+            )
+        assert answer.status_code >= 400
+        log = decode.log_text()
+        assert "KV-cache" in log and ".state:" in log and "mamba-ssm-cache-dtype" in log
+    finally:
+        decode.stop()
