@@ -88,6 +88,7 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
         representative_spec,
         spec_kind,
     )
+    from vllm_hybrid_nixl.mamba_guard import UnservableMambaConfigError, refuse_unservable_mamba
 
     engine_args = engine_args if engine_args is not None else parse_engine_args(args)
     connector = _connector_of(engine_args)
@@ -120,7 +121,14 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
             transfer_mode=mode,
             vllm_compat_hash=compat.stock_compat_hash(config, backend, mode),
         )
+        try:
+            refuse_unservable_mamba(config, setup.kv_cache_config)
+            unservable = ""
+        except UnservableMambaConfigError as exc:
+            unservable = str(exc)
     report = SideReport(role, args, connector, fingerprint)
+    if unservable:
+        report.warnings.append(f"{role}: {unservable}")
     if connector in STOCK_CONNECTORS:
         report.warnings.append(
             f"{role} uses vLLM's stock {connector}: hybrid layouts are not checked and a "

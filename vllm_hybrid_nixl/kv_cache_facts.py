@@ -7,6 +7,7 @@ fingerprint for the same settings.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from vllm_hybrid_nixl import compat
@@ -89,6 +90,14 @@ def fingerprint_of(
 ) -> LayoutFingerprint:
     model = vllm_config.model_config
     installed = compat.installed_vllm()
+    groups = group_fingerprints(kv_cache_config, kernel_block_size)
+    # vLLM's NIXL supports heterogeneous TP for single-group models (it maps KV heads across
+    # ranks) and compares handshake strings exactly: for those, TP and the per-rank page size
+    # are not part of the layout (0); total KV heads, head size, dtypes and block size are.
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if len(groups) <= 1:
+        tp = 0
+        groups = tuple(dataclasses.replace(group, page_bytes=0) for group in groups)
     return LayoutFingerprint(
         vllm_version=str(installed.version) if installed else "unknown",
         transfer_mode=transfer_mode,
@@ -98,10 +107,10 @@ def fingerprint_of(
         num_hidden_layers=int(model.get_total_num_hidden_layers()),
         num_kv_heads=int(model.get_total_num_kv_heads()),
         head_size=int(model.get_head_size()),
-        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tensor_parallel_size=tp,
         kv_layout=str(kv_layout),
         attn_backend=str(attn_backend),
         hybrid_kv_cache_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
-        groups=group_fingerprints(kv_cache_config, kernel_block_size),
+        groups=groups,
         vllm_compat_hash=vllm_compat_hash,
     )

@@ -118,3 +118,33 @@ def test_bad_engine_arguments_exit_2_with_the_arguments_named(tiny_hybrid_model:
     code, text = check(base(tiny_hybrid_model), base(tiny_hybrid_model, 64, "--no-such-flag"))
     assert code == 2
     assert "--no-such-flag" in text
+
+
+def test_heterogeneous_tp_on_a_plain_model_gets_one_fingerprint(tmp_path: Path) -> None:
+    """vLLM's NIXL compares handshake strings exactly and supports heterogeneous TP for
+    single-group models: both sides must send the same string, so check and the engines
+    agree."""
+    plain = build_tiny_model(tmp_path / "plain", TinyModelSpec(arch="llama"))
+    code, text = check(
+        [*base(plain), "--tensor-parallel-size", "1"], [*base(plain), "--tensor-parallel-size", "2"]
+    )
+    assert code == 0, text
+    fingerprint_row = next(line for line in text.splitlines() if line.startswith("fingerprint"))
+    _, prefill_digest, decode_digest = fingerprint_row.split()[:3]
+    assert prefill_digest == decode_digest
+
+
+def test_heterogeneous_tp_on_a_hybrid_model_is_refused_by_name(tiny_hybrid_model: Path) -> None:
+    code, text = check(
+        [*base(tiny_hybrid_model), "--tensor-parallel-size", "1"],
+        [*base(tiny_hybrid_model), "--tensor-parallel-size", "2"],
+    )
+    assert code == 1, text
+    assert "heterogeneous tensor parallelism with a hybrid model is not supported" in text
+
+
+def test_prefix_caching_on_a_mamba_model_is_reported(tmp_path: Path) -> None:
+    mamba = build_tiny_model(tmp_path / "nemotron-h", TinyModelSpec(arch="nemotron-h"))
+    code, text = check([*base(mamba), "--enable-prefix-caching"], base(mamba))
+    assert code == 1, text
+    assert "--no-enable-prefix-caching" in text
