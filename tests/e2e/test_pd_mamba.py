@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.engines import EngineProcess
 from vllm_hybrid_nixl.netutil import free_port
@@ -53,7 +54,9 @@ def mamba_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
-    yield from start_pair(mamba_model, tmp_path_factory.mktemp("mamba-logs"), {}, {})
+    # A short lease, for the late-leg test; the other tests send their legs at once.
+    prefill = {"kv_extra_config": {"kv_lease_duration": 3}}
+    yield from start_pair(mamba_model, tmp_path_factory.mktemp("mamba-logs"), prefill, {})
 
 
 def body(model: str, prompt: str) -> dict:
@@ -105,6 +108,14 @@ def test_the_tolerance_tells_another_prompts_state_apart(pair: PdPair) -> None:
         alone = client.post(f"{pair.prefill.spec.url}/v1/completions", json=other).json()
     with pytest.raises(AssertionError):
         assert_same_answer(first.pd_choice, alone["choices"][0])
+
+
+def test_a_late_decode_leg_is_refused_for_mamba_state_too(pair: PdPair) -> None:
+    """The lease guard on Mamba state: decode legs sent after the 3 s lease, churn between."""
+    expected = expected_texts(pair.decode.spec.url, pair.model)
+    outcome = late_legs(pair.prefill.spec.url, pair.decode.spec.url, pair.model, expected, wait_s=5)
+    assert outcome.wrong_200 == 0 and len(outcome.errors) == 4, outcome
+    assert pair.decode.log_text().count("its lease expired") >= 4
 
 
 def test_the_launcher_set_what_mamba_pd_needs(pair: PdPair) -> None:
