@@ -148,33 +148,13 @@ def test_mamba_pd_through_the_router(pair: PdPair) -> None:
         router.stop()
 
 
-def test_prefix_caching_on_a_mamba_model_is_refused_at_start_up(
-    pair: PdPair, tmp_path: Path
-) -> None:
-    """vLLM's CPU build would start this engine and die at its first long prompt."""
-    spec = dataclasses.replace(
-        pair.prefill.spec,
-        port=free_port(),
-        side_channel_port=free_port(),
-        extra_args=[*pair.prefill.spec.extra_args, "--enable-prefix-caching"],
-    )
-    engine = EngineProcess(spec, tmp_path / "refused.log").start()
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and "refuses to start" not in engine.log_text():
-            time.sleep(1)
-        log = engine.log_text()
-        assert "vllm-hybrid-nixl refuses to start this engine" in log
-        assert "--no-enable-prefix-caching" in log
-    finally:
-        engine.stop()
-
-
 def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
     pair: PdPair, tmp_path: Path
 ) -> None:
     """A decode engine whose SSM state is bf16 would read the prefill's float32 state as
-    garbage: its handshake refuses, naming the state field."""
+    garbage: its handshake refuses, naming the state field. It takes the place of the
+    pair's decode engine (the tests after this one need none)."""
+    pair.decode.stop()
     spec = dataclasses.replace(
         pair.decode.spec,
         port=free_port(),
@@ -199,3 +179,27 @@ def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
         assert "KV-cache" in log and ".state:" in log and "mamba-ssm-cache-dtype" in log
     finally:
         decode.stop()
+
+
+def test_prefix_caching_on_a_mamba_model_is_refused_at_start_up(
+    pair: PdPair, tmp_path: Path
+) -> None:
+    """vLLM's CPU build would start this engine and die at its first long prompt. Runs last:
+    it stops the pair's prefill engine first, so the refused one starts on a quiet machine."""
+    pair.prefill.stop()
+    spec = dataclasses.replace(
+        pair.prefill.spec,
+        port=free_port(),
+        side_channel_port=free_port(),
+        extra_args=[*pair.prefill.spec.extra_args, "--enable-prefix-caching"],
+    )
+    engine = EngineProcess(spec, tmp_path / "refused.log").start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "refuses to start" not in engine.log_text():
+            time.sleep(1)
+        log = engine.log_text()
+        assert "vllm-hybrid-nixl refuses to start this engine" in log
+        assert "--no-enable-prefix-caching" in log
+    finally:
+        engine.stop()
