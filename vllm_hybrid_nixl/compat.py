@@ -254,6 +254,7 @@ def extend_stock_lease(connector_scheduler: Any, seconds: float) -> bool:
     return True
 
 
+@functools.cache
 def transfer_results_api() -> bool:
     """Whether this release's NIXL worker reports ``get_transfer_results`` with a
     ``failed_recving`` set (0.32+) rather than only ``get_finished`` and invalid block ids."""

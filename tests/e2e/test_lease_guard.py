@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.lease_scenario import PROMPTS, body, expected_texts, late_legs
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair
+from vllm_hybrid_nixl import compat
 from vllm_hybrid_nixl.engines import EngineProcess
 from vllm_hybrid_nixl.netutil import free_port
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -73,8 +74,7 @@ def test_decode_legs_after_the_lease_and_block_reuse_fail_loudly(
     outcome = late_legs(
         guarded.prefill.spec.url, guarded.decode.spec.url, guarded.model, expected, wait_s=8
     )
-    assert outcome.wrong_200 == 0, outcome
-    assert len(outcome.errors) == outcome.sent == 4, outcome
+    outcome.assert_guarded()
     log = guarded.decode.log_text()
     assert log.count(REFUSAL) >= 4 and "lease expired" in log
     assert "raise kv_lease_duration" in log
@@ -118,8 +118,7 @@ def test_a_prefill_engine_restarted_between_the_legs_is_detected(
         wait_s=0,
         between=restart,
     )
-    assert outcome.wrong_200 == 0, outcome
-    assert len(outcome.errors) == 4, outcome
+    outcome.assert_guarded()
     assert guarded.decode.log_text().count("the prefill engine restarted") >= 4
 
 
@@ -131,8 +130,7 @@ def test_decode_legs_later_than_the_default_lease_fail_loudly(
     outcome = late_legs(
         guarded.prefill.spec.url, guarded.decode.spec.url, guarded.model, expected, wait_s=36
     )
-    assert outcome.wrong_200 == 0, outcome
-    assert len(outcome.errors) == 4, outcome
+    outcome.assert_guarded()
     assert guarded.decode.log_text().count("(lease 30 s)") >= before + 4
 
 
@@ -155,7 +153,9 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
             metrics = client.get(f"{router.url}/metrics").text
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected[prompt]
-        assert metric(metrics, "router_lease_reruns_total") == 1
+        # Before 0.32 the decode engine computes the refused prompt itself: no re-run needed.
+        reruns = 1 if compat.transfer_results_api() else 0
+        assert metric(metrics, "router_lease_reruns_total") == reruns
         assert engine_posts(expiring.spec.url) == 1
         assert "its lease expired" in guarded.decode.log_text()
     finally:

@@ -9,6 +9,13 @@ Decode engine (scheduler): before the worker reads a request's blocks, the reque
 on its prefill engine. A refused pin (released, unknown, restarted, unreachable) is logged
 with the cause and handed to the worker, which reports the read as a failed KV load: vLLM
 then fails the request or recomputes it (``kv_load_failure_policy``), never samples from it.
+
+Releases before 0.32 report failed loads only as invalid block ids, and their scheduler dies
+on those for models with several KV-cache groups (``(req_block_ids,) = get_block_ids(...)``
+in ``_update_requests_with_invalid_blocks``, measured on 0.27.1). There the pin happens when
+vLLM first asks how many tokens the request will load (``get_num_new_matched_tokens``); a
+refused one loads none and the decode engine computes the prompt itself: the answer is right,
+and the log names the cause, whatever ``kv_load_failure_policy`` says.
 """
 
 from __future__ import annotations
@@ -132,10 +139,12 @@ class LeaseHolderMixin:
         return params
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        self.__dict__.get("_refused_early", set()).discard(request.request_id)
         delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        self.__dict__.get("_refused_early", set()).discard(request.request_id)
         delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
@@ -146,6 +155,41 @@ class LeaseHolderMixin:
         super().update_connector_output(connector_output)  # type: ignore[misc]
 
     # ---- decode engine -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        if getattr(self, "_lease_guard", False) and not compat.transfer_results_api():
+            if self._refused_before_loading(request):
+                return 0, False  # nothing to load: the decode engine computes the prompt
+        return super().get_num_new_matched_tokens(  # type: ignore[misc]
+            request, num_computed_tokens
+        )
+
+    def _refused_before_loading(self, request: Any) -> bool:
+        """Pin now (releases that cannot fail a hybrid load); True when refused."""
+        refused = self.__dict__.setdefault("_refused_early", set())
+        if request.request_id in refused:
+            return True
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return False
+        address = LeaseAddress.from_params(params.get(PARAMS_KEY))
+        if address is None:
+            return False
+        remote = str(params.get("remote_request_id"))
+        status = self._pin_at(address, [remote])[remote]
+        if status.readable:
+            return False
+        refused.add(request.request_id)
+        message = refusal_message(
+            request.request_id,
+            remote,
+            str(params.get("remote_engine_id")),
+            address,
+            status,
+            "recompute",
+        )
+        logger.error("%s", message)
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         params = request.kv_transfer_params
