@@ -70,3 +70,34 @@ def test_decode_leg_error_names_the_leg_and_engine(pair: PdPair) -> None:
     assert str(info.value).startswith(
         f"prefill leg: engine {pair.prefill.spec.url} answered HTTP 404"
     )
+
+
+def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: PdPair) -> None:
+    """The router reads each engine's vLLM release from its /version and speaks that
+    release's side-channel form (the other form kills vLLM's listener thread): both layouts
+    are read, and the engines still hand out their handshake and serve P/D afterwards. The
+    version matrix runs this on every release (0.25.1 speaks the other form)."""
+    from vllm_hybrid_nixl.netutil import free_port
+    from vllm_hybrid_nixl.router.backends import BackendPool
+    from vllm_hybrid_nixl.router.server import RouterServer
+
+    def channel(engine) -> str:
+        return f"{engine.spec.host}:{engine.spec.side_channel_port}"
+
+    pool = BackendPool.from_urls(
+        [pair.prefill.spec.url],
+        [pair.decode.spec.url],
+        [channel(pair.prefill)],
+        [channel(pair.decode)],
+    )
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=30).json()
+        layouts = [engine["layout"] for engine in health["engines"]]
+        assert all("block_size=64" in layout for layout in layouts), layouts
+        assert health["pairing_problems"] == []
+        body = {"model": pair.model, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0.0}
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text  # the listener threads survived
+    finally:
+        router.stop()
