@@ -35,9 +35,15 @@ def test_a_hub_id_or_a_broken_config_is_not_guessed(tmp_path: Path) -> None:
     assert keeps_mamba_state(str(tmp_path)) is False
 
 
-def test_the_launcher_sets_mamba_defaults_unless_the_arguments_decide(tmp_path: Path) -> None:
+def test_the_launcher_sets_mamba_defaults_unless_the_arguments_decide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit VLLM_SSM_CONV_STATE_LAYOUT in the environment wins (vLLM's CPU platform
+    itself writes SD into its process environment on AVX512-BF16 machines when the connector
+    is not one of vLLM's own names): here there is none."""
     from vllm_hybrid_nixl.engines import EngineSpec
 
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h"}))
     spec = EngineSpec(model=str(tmp_path), port=8000)
     assert spec.environment()["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
