@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.unit.test_router_health import Clock
 from vllm_hybrid_nixl.lease.table import EXPIRED, PIN_EXPIRED, READ, LeaseState, LeaseTable
 from vllm_hybrid_nixl.lease.wire import RESTARTED, LeaseAddress, LeaseServer, LeaseUnreachable, ask
 from vllm_hybrid_nixl.netutil import free_port
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def table(clock: Clock, lease_s: float = 3, pin_s: float = 30) -> LeaseTable:

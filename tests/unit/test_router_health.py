@@ -87,15 +87,21 @@ def test_breaker_opens_after_failed_legs_and_half_opens_after_cooldown(setup) ->
     assert tracker.state(d0) is EngineState.UP
 
 
-def test_a_lookup_that_records_no_outcome_never_strands_an_engine(setup) -> None:
-    """``/v1/models`` asks ``usable`` and sends nothing through the breaker: the engine
-    must still get its trial leg."""
-    pool, tracker, clock = setup
+def tripped(tracker: HealthTracker, pool: BackendPool, clock: Clock):
+    """The decode engine, up, then its breaker opened by 3 failed legs, the cooldown over."""
     d0 = pool.decode[0]
     tracker.record_probe(d0, True)
     for _ in range(3):
         tracker.record_failure(d0, "HTTP 500")
     clock.now += 11
+    return d0
+
+
+def test_a_lookup_that_records_no_outcome_never_strands_an_engine(setup) -> None:
+    """``/v1/models`` asks ``usable`` and sends nothing through the breaker: the engine
+    must still get its trial leg."""
+    pool, tracker, clock = setup
+    d0 = tripped(tracker, pool, clock)
     for _ in range(5):
         assert tracker.usable(d0)  # lookups
     tracker.leg_started(d0)
@@ -106,11 +112,7 @@ def test_a_lookup_that_records_no_outcome_never_strands_an_engine(setup) -> None
 def test_an_abandoned_trial_admits_another_after_the_cooldown(setup) -> None:
     """A trial leg cancelled by a client disconnect records no outcome."""
     pool, tracker, clock = setup
-    d0 = pool.decode[0]
-    tracker.record_probe(d0, True)
-    for _ in range(3):
-        tracker.record_failure(d0, "HTTP 500")
-    clock.now += 11
+    d0 = tripped(tracker, pool, clock)
     tracker.leg_started(d0)
     tracker.leg_ended(d0)  # cancelled: neither success nor failure
     assert not tracker.usable(d0)
@@ -121,11 +123,7 @@ def test_an_abandoned_trial_admits_another_after_the_cooldown(setup) -> None:
 def test_a_good_probe_after_the_cooldown_brings_an_open_engine_back(setup) -> None:
     """With one decode engine and no traffic able to reach it, probes must close it."""
     pool, tracker, clock = setup
-    d0 = pool.decode[0]
-    tracker.record_probe(d0, True)
-    for _ in range(3):
-        tracker.record_failure(d0, "HTTP 500")
-    clock.now += 11
+    d0 = tripped(tracker, pool, clock)
     tracker.leg_started(d0)  # a trial that never reports
     tracker.record_probe(d0, True)
     assert tracker.state(d0) is EngineState.UP and tracker.usable(d0)
