@@ -257,22 +257,9 @@ def extend_stock_lease(connector_scheduler: Any, seconds: float) -> bool:
 @functools.cache
 def transfer_results_api() -> bool:
     """Whether this release's NIXL worker reports ``get_transfer_results`` with a
-    ``failed_recving`` set (0.32+) rather than only ``get_finished`` and invalid block ids."""
+    ``failed_recving`` set (0.32+) rather than only ``get_finished`` and invalid block ids
+    (on which the schedulers before 0.32 die for models with several KV-cache groups)."""
     return hasattr(nixl_classes().base_worker, "get_transfer_results")
-
-
-def fail_received(worker: Any, results: Any, failed: dict[str, Any]) -> None:
-    """Report the completed receives in ``failed`` (request id -> its local block ids) as
-    failed loads, the way this release's own worker reports a failed transfer: 0.32+ through
-    ``failed_recving`` (kept in ``finished_recving``, as vLLM does), earlier releases through
-    the invalid block ids of the first KV-cache group. vLLM then fails or recomputes the
-    request (``kv_load_failure_policy``)."""
-    if hasattr(results, "failed_recving"):
-        results.failed_recving.update(failed)
-        return
-    for block_ids in failed.values():
-        first_group = block_ids[0] if block_ids and isinstance(block_ids[0], list) else block_ids
-        worker._invalid_block_ids.put(set(first_group))
 
 
 def kv_load_failure_policy(kv_transfer_config: Any) -> str:

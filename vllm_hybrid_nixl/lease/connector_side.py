@@ -5,7 +5,7 @@ engine is held in a :class:`LeaseTable` and its ``kv_transfer_params`` name the 
 service; vLLM frees those blocks only when the table says so (after the decode's read, or
 when the lease or a pin runs out). vLLM's own lease is pushed out of the way.
 
-Decode engine (scheduler): before the worker reads a request's blocks, the request is pinned
+Decode engine (scheduler, 0.32+): before the worker reads a request's blocks, it is pinned
 on its prefill engine. A refused pin (released, unknown, restarted, unreachable) is logged
 with the cause and handed to the worker, which reports the read as a failed KV load: vLLM
 then fails the request or recomputes it (``kv_load_failure_policy``), never samples from it.
@@ -94,7 +94,9 @@ class LeaseHolderMixin:
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         self._lease_server: LeaseServer | None = None
+        self._lease_guard = False
         self._lease_pending: dict[str, tuple[LeaseAddress, str, str]] = {}
+        self._refused_early: set[str] = set()
         self._warned_unguarded = False
         self._unreachable: dict[LeaseAddress, tuple[float, str]] = {}
         if getattr(self, "connector_scheduler", None) is None:
@@ -139,12 +141,12 @@ class LeaseHolderMixin:
         return params
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self.__dict__.get("_refused_early", set()).discard(request.request_id)
+        self._refused_early.discard(request.request_id)
         delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self.__dict__.get("_refused_early", set()).discard(request.request_id)
+        self._refused_early.discard(request.request_id)
         delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
@@ -157,62 +159,60 @@ class LeaseHolderMixin:
     # ---- decode engine -------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        if getattr(self, "_lease_guard", False) and not compat.transfer_results_api():
+        if self._lease_guard and not compat.transfer_results_api():
             if self._refused_before_loading(request):
                 return 0, False  # nothing to load: the decode engine computes the prompt
         return super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )
 
-    def _refused_before_loading(self, request: Any) -> bool:
-        """Pin now (releases that cannot fail a hybrid load); True when refused."""
-        refused = self.__dict__.setdefault("_refused_early", set())
-        if request.request_id in refused:
-            return True
+    def _lease_of(self, request: Any) -> tuple[LeaseAddress, str, str] | None:
+        """(lease service, prefill request id, prefill engine id) of a request whose KV is to
+        come from a prefill engine; None when it has no lease (warned once: a stock peer)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
-            return False
+            return None
         address = LeaseAddress.from_params(params.get(PARAMS_KEY))
         if address is None:
-            return False
-        remote = str(params.get("remote_request_id"))
-        status = self._pin_at(address, [remote])[remote]
-        if status.readable:
-            return False
-        refused.add(request.request_id)
-        message = refusal_message(
-            request.request_id,
-            remote,
-            str(params.get("remote_engine_id")),
-            address,
-            status,
-            "recompute",
-        )
-        logger.error("%s", message)
-        return True
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        params = request.kv_transfer_params
-        if (
-            params
-            and params.get("do_remote_prefill")
-            and num_external_tokens > 0
-            and getattr(self, "_lease_guard", False)
-        ):
-            address = LeaseAddress.from_params(params.get(PARAMS_KEY))
-            if address is not None:
-                self._lease_pending[request.request_id] = (
-                    address,
-                    str(params.get("remote_request_id")),
-                    str(params.get("remote_engine_id")),
-                )
-            elif not self._warned_unguarded:
+            if not self._warned_unguarded:
                 self._warned_unguarded = True
                 logger.warning(
                     "vllm-hybrid-nixl: prefill engine %s sent no KV lease (a stock "
                     "NixlConnector?); blocks it releases early cannot be detected",
                     params.get("remote_engine_id"),
                 )
+            return None
+        return address, str(params.get("remote_request_id")), str(params.get("remote_engine_id"))
+
+    def _refusal(
+        self, req_id: str, lease: tuple[LeaseAddress, str, str], status: LeaseStatus, policy: str
+    ) -> str:
+        address, remote_req, engine = lease
+        message = refusal_message(req_id, remote_req, engine, address, status, policy)
+        logger.error("%s", message)
+        return message
+
+    def _refused_before_loading(self, request: Any) -> bool:
+        """Pin now (releases that cannot fail a hybrid load); True when refused."""
+        if request.request_id in self._refused_early:
+            return True
+        lease = self._lease_of(request)
+        if lease is None:
+            return False
+        status = self._pin_at(lease[0], [lease[1]])[lease[1]]
+        if status.readable:
+            return False
+        self._refused_early.add(request.request_id)
+        self._refusal(request.request_id, lease, status, "recompute")
+        return True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        # Pinned just before the read on releases that report failed loads per request;
+        # earlier releases were pinned in get_num_new_matched_tokens, in this same step.
+        if self._lease_guard and num_external_tokens > 0 and compat.transfer_results_api():
+            lease = self._lease_of(request)
+            if lease is not None:
+                self._lease_pending[request.request_id] = lease
         return super().update_state_after_alloc(  # type: ignore[misc]
             request, blocks, num_external_tokens
         )
@@ -237,11 +237,8 @@ class LeaseHolderMixin:
                 if status.readable:
                     continue
                 req_id, engine = requests[remote_req]
-                message = refusal_message(
-                    req_id, remote_req, engine, address, status, self._lease_policy
-                )
-                logger.error("%s", message)
-                refusals[req_id] = message
+                lease = (address, remote_req, engine)
+                refusals[req_id] = self._refusal(req_id, lease, status, self._lease_policy)
         return refusals
 
     def _pin_at(self, address: LeaseAddress, remote_reqs: list[str]) -> dict[str, LeaseStatus]:
@@ -259,32 +256,21 @@ class LeaseHolderMixin:
 
 
 class LeaseReaderMixin:
-    """Worker (decode engine): a read whose pin was refused completes as a failed load."""
+    """Worker (decode engine, vLLM 0.32+): a read whose pin was refused completes as a failed
+    load (``failed_recving``, kept in ``finished_recving`` as vLLM's own worker does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lease_refused: set[str] = set()
+        super().__init__(*args, **kwargs)
 
     def start_load_kv(self, metadata: Any) -> Any:
-        refusals = getattr(metadata, REFUSALS_ATTRIBUTE, None)
-        if refusals:
-            pending = self.__dict__.setdefault("_lease_refused", {})
-            to_recv = getattr(metadata, "reqs_to_recv", {}) or {}
-            for req_id in refusals:
-                meta = to_recv.get(req_id)
-                pending[req_id] = list(getattr(meta, "local_block_ids", ()) or ())
+        self._lease_refused.update(getattr(metadata, REFUSALS_ATTRIBUTE, None) or ())
         return super().start_load_kv(metadata)  # type: ignore[misc]
-
-    def _fail_refused(self, results: Any, finished_recving: set[str]) -> None:
-        pending: dict[str, Any] = self.__dict__.get("_lease_refused") or {}
-        done = {r: pending.pop(r) for r in list(pending) if r in finished_recving}
-        if done:
-            compat.fail_received(self, results, done)
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()  # type: ignore[misc]
-        self._fail_refused(results, results.finished_recving)
+        done = self._lease_refused & results.finished_recving
+        if done:
+            self._lease_refused -= done
+            results.failed_recving.update(done)
         return results
-
-    def get_finished(self) -> Any:
-        if compat.transfer_results_api():
-            return super().get_finished()  # type: ignore[misc]  # calls get_transfer_results
-        sending, recving = super().get_finished()  # type: ignore[misc]
-        self._fail_refused(None, recving)
-        return sending, recving
