@@ -59,6 +59,11 @@ class EngineSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def side_channel(self) -> str:
+        """``host:port`` of its NIXL side channel (what the router's layout check asks)."""
+        return f"{self.host}:{self.side_channel_port}"
+
     def kv_transfer_config(self) -> dict[str, object] | None:
         if self.role == "none":
             return None

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.e2e.pd_fixture import PdPair
+
 PROMPTS = [
     f"Entry {i} of the lighthouse keeper's log: the fog came in from the west and " * 4
     for i in range(4)
@@ -101,15 +103,13 @@ def decode_legs(
 
 
 def late_legs(
-    prefill_url: str,
-    decode_url: str,
-    model: str,
+    pair: PdPair,
     expected: dict[str, str],
     wait_s: float,
     between: Callable[[], None] | None = None,
 ) -> LateLegOutcome:
     """Prefill legs, ``wait_s`` seconds, churn (or ``between``), then the decode legs."""
-    saved = prefill_legs(prefill_url, model)
+    saved = prefill_legs(pair.prefill.spec.url, pair.model)
     time.sleep(wait_s)
-    (between or (lambda: churn(prefill_url, model)))()
-    return decode_legs(decode_url, model, saved, expected)
+    (between or (lambda: churn(pair.prefill.spec.url, pair.model)))()
+    return decode_legs(pair.decode.spec.url, pair.model, saved, expected)

@@ -45,10 +45,6 @@ def _args_with_block_size(block_size: int) -> list[str]:
     return args
 
 
-def side_channel(engine: EngineProcess) -> str:
-    return f"{engine.spec.host}:{engine.spec.side_channel_port}"
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_hybrid_model, tmp_path_factory) -> Iterator[Engines]:
     logs = tmp_path_factory.mktemp("layout-guard-logs")
@@ -135,8 +131,8 @@ def mismatched_router(engines: Engines) -> Iterator[RouterServer]:
     pool = BackendPool.from_urls(
         [engines.prefill_64.spec.url],
         [engines.decode_32.spec.url],
-        [side_channel(engines.prefill_64)],
-        [side_channel(engines.decode_32)],
+        [engines.prefill_64.spec.side_channel],
+        [engines.decode_32.spec.side_channel],
     )
     router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:

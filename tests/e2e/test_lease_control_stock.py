@@ -40,9 +40,7 @@ def test_the_stock_connector_answers_late_legs_with_wrong_tokens(
     pair = next(pair_iter)
     try:
         expected = expected_texts(pair.decode.spec.url, pair.model)
-        outcome = late_legs(
-            pair.prefill.spec.url, pair.decode.spec.url, pair.model, expected, wait_s=8
-        )
+        outcome = late_legs(pair, expected, wait_s=8)
     finally:
         pair_iter.close()
     assert outcome.wrong_200 >= 1, outcome

@@ -71,9 +71,7 @@ def expected(guarded: PdPair) -> dict[str, str]:
 def test_decode_legs_after_the_lease_and_block_reuse_fail_loudly(
     guarded: PdPair, expected: dict[str, str], expiring: EngineProcess
 ) -> None:
-    outcome = late_legs(
-        guarded.prefill.spec.url, guarded.decode.spec.url, guarded.model, expected, wait_s=8
-    )
+    outcome = late_legs(guarded, expected, wait_s=8)
     outcome.assert_guarded()
     log = guarded.decode.log_text()
     assert log.count(REFUSAL) >= 4 and "lease expired" in log
@@ -85,9 +83,7 @@ def test_decode_legs_within_the_lease_still_read_the_kv(
 ) -> None:
     """The guard refuses only what was released: prompt legs sent at once succeed."""
     outcome = late_legs(
-        guarded.prefill.spec.url,
-        guarded.decode.spec.url,
-        guarded.model,
+        guarded,
         expected,
         wait_s=0,
         between=lambda: None,
@@ -104,16 +100,11 @@ def test_a_prefill_engine_restarted_between_the_legs_is_detected(
         guarded.prefill.stop()
         # Back with vLLM's default lease (30 s), for the test after this one.
         spec = dataclasses.replace(guarded.prefill.spec, kv_extra_config={"lease_port": LEASE_PORT})
-        guarded.prefill.spec = spec
-        fresh = EngineProcess(spec, tmp_path / "prefill-restarted.log")
-        fresh.start().wait_healthy(timeout_s=420)
-        guarded.prefill.process = fresh.process
-        guarded.prefill.log_path = fresh.log_path
+        guarded.prefill.spec, guarded.prefill.log_path = spec, tmp_path / "prefill-restarted.log"
+        guarded.prefill.start().wait_healthy(timeout_s=420)
 
     outcome = late_legs(
-        guarded.prefill.spec.url,
-        guarded.decode.spec.url,
-        guarded.model,
+        guarded,
         expected,
         wait_s=0,
         between=restart,
@@ -127,9 +118,7 @@ def test_decode_legs_later_than_the_default_lease_fail_loudly(
 ) -> None:
     """vLLM's default lease (30 s): decode legs 36 s after their prefill legs, churn between."""
     before = guarded.decode.log_text().count("(lease 30 s)")
-    outcome = late_legs(
-        guarded.prefill.spec.url, guarded.decode.spec.url, guarded.model, expected, wait_s=36
-    )
+    outcome = late_legs(guarded, expected, wait_s=36)
     outcome.assert_guarded()
     assert guarded.decode.log_text().count("(lease 30 s)") >= before + 4
 

@@ -113,7 +113,7 @@ def test_the_tolerance_tells_another_prompts_state_apart(pair: PdPair) -> None:
 def test_a_late_decode_leg_is_refused_for_mamba_state_too(pair: PdPair) -> None:
     """The lease guard on Mamba state: decode legs sent after the 3 s lease, churn between."""
     expected = expected_texts(pair.decode.spec.url, pair.model)
-    outcome = late_legs(pair.prefill.spec.url, pair.decode.spec.url, pair.model, expected, wait_s=5)
+    outcome = late_legs(pair, expected, wait_s=5)
     outcome.assert_guarded()
     assert pair.decode.log_text().count("its lease expired") >= 4
 

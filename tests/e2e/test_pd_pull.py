@@ -81,14 +81,11 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
     from vllm_hybrid_nixl.router.backends import BackendPool
     from vllm_hybrid_nixl.router.server import RouterServer
 
-    def channel(engine) -> str:
-        return f"{engine.spec.host}:{engine.spec.side_channel_port}"
-
     pool = BackendPool.from_urls(
         [pair.prefill.spec.url],
         [pair.decode.spec.url],
-        [channel(pair.prefill)],
-        [channel(pair.decode)],
+        [pair.prefill.spec.side_channel],
+        [pair.decode.spec.side_channel],
     )
     router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:

@@ -50,10 +50,6 @@ class Stack:
     model: str
 
 
-def side_channel(engine) -> str:
-    return f"{engine.spec.host}:{engine.spec.side_channel_port}"
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_hybrid_model, tmp_path_factory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("security-logs")
@@ -78,9 +74,9 @@ def stack(tiny_hybrid_model, tmp_path_factory) -> Iterator[Stack]:
                     "--decode",
                     pair.decode.spec.url,
                     "--prefill-side-channel",
-                    side_channel(pair.prefill),
+                    pair.prefill.spec.side_channel,
                     "--decode-side-channel",
-                    side_channel(pair.decode),
+                    pair.decode.spec.side_channel,
                     "--max-prompt-chars",
                     "2000",
                     "--max-body-bytes",

@@ -147,7 +147,7 @@ class EngineActor:
             "url": spec.url,
             "node_ip": spec.host,
             "node_id": self.node_id,
-            "side_channel": f"{spec.host}:{spec.side_channel_port}",
+            "side_channel": spec.side_channel,
             "engine_id": spec.engine_id,
             "pid": self.engine.pid,
             "log": str(self.engine.log_path),

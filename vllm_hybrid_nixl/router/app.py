@@ -77,17 +77,27 @@ def leg_error_response(error: LegError, request_id: str = "") -> JSONResponse:
 
 
 def json_depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, counted without recursion, up to ``limit + 1``."""
+    """Nesting depth of a parsed JSON value, counted without recursion, up to ``limit + 1``.
+    Only containers are visited: a prompt of token ids is one level, not a walk per id."""
+    if not isinstance(value, dict | list):
+        return 0
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
     return deepest
+
+
+def nested_too_deep(raw: bytes, body: Any, limit: int) -> bool:
+    """Whether the body nests deeper than ``limit``. A body with at most ``limit`` brackets
+    cannot (counted in C, strings included), so most bodies are never walked."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return json_depth(body, limit) > limit
 
 
 def stream_error_event(message: str) -> bytes:
@@ -134,17 +144,18 @@ def build_app(
             1 if health.state(backend).value == "up" else 0
         )
 
-    layouts_read_at = [time.monotonic()]
+    layouts_read_at = time.monotonic()
 
     async def probe_all(client: httpx.AsyncClient) -> None:
         """Engine health, then layouts: those not known yet, those of engines that just came
         (back) up — a restarted engine may have another layout — and all of them every
         ``LAYOUT_REFRESH_S``. ``/health`` only reads what this cached."""
+        nonlocal layouts_read_at
         was_up = {b.url for b in pool.all() if health.state(b).value == "up"}
         await asyncio.gather(*(probe(client, b) for b in pool.all()))
         came_up = [b for b in pool.all() if health.state(b).value == "up" and b.url not in was_up]
-        if time.monotonic() - layouts_read_at[0] >= LAYOUT_REFRESH_S:
-            layouts_read_at[0] = time.monotonic()
+        if time.monotonic() - layouts_read_at >= LAYOUT_REFRESH_S:
+            layouts_read_at = time.monotonic()
             await asyncio.to_thread(pairing.refresh)
         elif came_up:
             await asyncio.to_thread(pairing.refresh, False, came_up)
@@ -206,6 +217,7 @@ def build_app(
     async def disaggregate(path: str, endpoint: str, request: Request) -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
+        too_deep = False
         try:
             raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
             body = json.loads(raw)
@@ -218,8 +230,8 @@ def build_app(
                 400, f"request body is not valid JSON ({exc})", "invalid_request_error"
             )
         except RecursionError:
-            body = None  # deeper than Python's parser goes: refused just below
-        if body is None or json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            too_deep = True  # deeper than Python's parser goes
+        if too_deep or nested_too_deep(raw, body, MAX_JSON_DEPTH):
             metrics.requests.labels(endpoint, "bad_request").inc()
             return error_response(
                 400,

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +295,19 @@ class Disaggregator:
 
     # ---- engine choice ---------------------------------------------------------------
 
+    def _pick(
+        self,
+        role: str,
+        usable: Callable[[Backend], bool],
+        exclude: list[Backend],
+        avoid: Sequence[Backend],
+    ) -> Backend | None:
+        """The next usable engine of ``role`` not in ``exclude``, one not in ``avoid`` (the
+        engines a re-run moves away from) when there is one."""
+        return self.pool.pick(role, usable, [*exclude, *avoid]) or self.pool.pick(
+            role, usable, exclude
+        )
+
     def _pairable(self, prefill: Backend) -> bool:
         return any(not self.pairing.problem(prefill, d) for d in self.pool.decode)
 
@@ -320,9 +333,7 @@ class Disaggregator:
 
         for _ in range(self.settings.prefill_attempts):
             exclude = [e.backend for e in tried]
-            prefill = self.pool.pick("prefill", usable, exclude + avoid) or self.pool.pick(
-                "prefill", usable, exclude
-            )
+            prefill = self._pick("prefill", usable, exclude, avoid)
             if prefill is None:
                 break
             try:
@@ -357,7 +368,7 @@ class Disaggregator:
         path: str,
         body: dict[str, Any],
         stream: bool,
-        avoid: list[Backend] = (),  # type: ignore[assignment]
+        avoid: Sequence[Backend] = (),
     ) -> DecodeAnswer:
         tried: list[LegError] = []
 
@@ -366,9 +377,7 @@ class Disaggregator:
 
         while True:
             exclude = [e.backend for e in tried]
-            decode = self.pool.pick("decode", usable, exclude + list(avoid)) or self.pool.pick(
-                "decode", usable, exclude
-            )
+            decode = self._pick("decode", usable, exclude, avoid)
             if decode is None:
                 unavailable = [d for d in self.pool.decode if d not in [e.backend for e in tried]]
                 raise NoEngineError("decode", tried, unavailable)
