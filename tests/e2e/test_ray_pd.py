@@ -364,9 +364,14 @@ def engine(deployment: PDDeployment, name: str):
     return next(e for e in deployment.engines if e.name == name)
 
 
-def kill_engine(deployment: PDDeployment, name: str) -> int:
+def engine_pid(deployment: PDDeployment, name: str) -> int:
+    """The PID of the engine's API server, the leader of its process group."""
+    return ray.get(engine(deployment, name).actor.info.remote())["pid"]
+
+
+def kill_engine(deployment: PDDeployment, name: str, pid: int | None = None) -> int:
     """SIGKILL the engine's whole process group (API server, engine core, worker)."""
-    pid = ray.get(engine(deployment, name).actor.status.remote())["pid"]
+    pid = engine_pid(deployment, name) if pid is None else pid
     os.killpg(pid, signal.SIGKILL)
     return pid
 
@@ -456,13 +461,20 @@ def leg_ok_count(deployment: PDDeployment, engine_url: str) -> float:
 def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
     deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
 ) -> None:
+    """The decode engine is killed at the stream's first event. Its PIDs are read before the
+    request and the kill is one signal, so the decode engine still has hundreds of tokens to go
+    however fast it computes: each token is one engine step of its own."""
+    max_tokens = 900  # the prompt is under 40 tokens; max_model_len is 1024
     body = {
         "model": str(tiny_hybrid_model),
         "prompt": "a long answer " + WORDS,
-        "max_tokens": 700,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+    }
+    pids = {
+        e.name: engine_pid(deployment, e.name) for e in deployment.engines if e.role == "decode"
     }
     events, error, killed = 0, None, None
     started = time.monotonic()
@@ -477,7 +489,7 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
                     error = event["error"]
                     break
                 events += 1
-                if events == 5 and killed is None:
+                if killed is None:
                     health = client.get(f"{deployment.router_url}/health").json()
                     busy = [
                         e["name"]
@@ -485,11 +497,11 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
                         if e["role"] == "decode" and e["in_flight"] > 0
                     ]
                     assert len(busy) == 1, health
-                    killed = (busy[0], kill_engine(deployment, busy[0]))
+                    killed = (busy[0], kill_engine(deployment, busy[0], pids[busy[0]]))
     assert killed, "the stream ended before a decode engine could be killed"
     assert error is not None, f"stream ended after {events} events without an error event"
     assert "while streaming" in error["message"] and "incomplete" in error["message"]
-    assert events < 700
+    assert events < max_tokens
     print(f"\nFAULT decode kill mid-stream: error event after {time.monotonic() - started:.1f}s")
     killed_engines.append((*killed, time.monotonic()))
     # The other decode engine keeps serving at once.
