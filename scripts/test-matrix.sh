@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RELEASES=${MATRIX_RELEASES:-"0.25.1 0.27.1 0.32.0"}
-TESTS=${MATRIX_TESTS:-"tests/unit tests/integration/test_worker_registration.py tests/integration/test_plugin.py tests/integration/test_check.py tests/e2e/test_pd_pull.py tests/e2e/test_pd_plain_and_stock.py"}
+TESTS=${MATRIX_TESTS:-$(grep -v "^#" scripts/matrix-tests.txt | tr "\n" " ")}
 out=matrix
 mkdir -p "$out"
 status=0
