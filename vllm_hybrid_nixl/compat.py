@@ -160,6 +160,19 @@ def resolve_kv_cache_layout(vllm_config: Any, backends: list[Any], specs: Any) -
     resolve(vllm_config, [supported], specs)
 
 
+def kv_cache_config_for(vllm_config: Any, specs: dict[str, Any], kv_cache_bytes: int) -> Any:
+    """The KVCacheConfig the engine core would build for one worker with these layer specs
+    and this many bytes: ``kv_cache_utils.get_kv_cache_configs`` up to 0.32; from 0.33 it
+    lives in ``kv_cache_planning`` and takes the model's layer groups as well."""
+    utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    build = getattr(utils, "get_kv_cache_configs", None)
+    if build is not None:
+        return build(vllm_config, [specs], [kv_cache_bytes])[0]
+    planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
+    groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
+    return planning.get_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes], groups)[0]
+
+
 def kv_cache_layout_name(vllm_config: Any) -> str:
     """The KV-cache layout name the NIXL worker of this release reports (e.g. ``HND``)."""
     resolved = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)

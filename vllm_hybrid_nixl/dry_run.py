@@ -2,7 +2,7 @@
 
 EngineArgs -> VllmConfig; the model is built on PyTorch's ``meta`` device (no weights,
 no memory) only so that its attention layers report their KV-cache specs; then vLLM's
-own ``get_kv_cache_configs`` groups them exactly as the engine would.
+own KV-cache planning (``compat.kv_cache_config_for``) groups them exactly as the engine would.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def kv_cache_setup(
     )
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
     from vllm_hybrid_nixl import compat
 
@@ -73,7 +72,7 @@ def kv_cache_setup(
             # What the engine core does before sizing the cache: resolve one layout.
             backends = get_current_attn_backends(vllm_config)
             compat.resolve_kv_cache_layout(vllm_config, backends, specs.values())
-            kv_cache_config = get_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes])[0]
+            kv_cache_config = compat.kv_cache_config_for(vllm_config, specs, kv_cache_bytes)
             yield KvCacheSetup(vllm_config, kv_cache_config, backends, specs)
         finally:
             os.sched_setaffinity(0, affinity)

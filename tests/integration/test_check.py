@@ -144,7 +144,14 @@ def test_heterogeneous_tp_on_a_hybrid_model_is_refused_by_name(tiny_hybrid_model
 
 
 def test_prefix_caching_on_a_mamba_model_is_reported(tmp_path: Path) -> None:
+    """Never OK. 0.32 and 0.33 build the config and our guard names the flag; 0.25 and 0.27
+    refuse to build a config for this model with prefix caching at all (mamba pages cannot be
+    padded to the attention pages there), and `check` exits 2 with vLLM's own reason."""
     mamba = build_tiny_model(tmp_path / "nemotron-h", TinyModelSpec(arch="nemotron-h"))
     code, text = check([*base(mamba), "--enable-prefix-caching"], base(mamba))
-    assert code == 1, text
-    assert "--no-enable-prefix-caching" in text
+    if code == 2:
+        assert "vLLM could not build a config from these arguments" in text, text
+        assert "page size" in text, text
+    else:
+        assert code == 1, text
+        assert "--no-enable-prefix-caching" in text

