@@ -12,7 +12,7 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
     installed = compat.installed_vllm()
     print(f"vllm-hybrid-nixl {__version__}")
-    print(f"supported vLLM: {compat.SUPPORTED_RANGE} (tested: {', '.join(compat.TESTED_RELEASES)})")
+    print(f"supported vLLM: {compat.SUPPORTED_RANGE} (tested: {compat.tested_releases_text()})")
     if installed is None:
         print("installed vLLM: none")
         return 1

