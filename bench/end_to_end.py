@@ -191,8 +191,8 @@ def count_tokens(url: str, model: str, prompt: str) -> int:
 def start_stack(model: str, log_dir: Path, kv_extra_config: dict | None = None):
     """Prefill and decode engines (a core each) and the router process; returns
     (urls, stop)."""
-    from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-    from vllm_hybrid_nixl.netutil import free_port
+    from vllm_hybrid_nixl.common.netutil import free_port
+    from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 
     args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
     engines = [

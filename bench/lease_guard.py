@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -75,8 +75,8 @@ def engines(model: Path, logs: Path) -> dict[str, EngineProcess]:
 
 SERVER = """
 import sys, time
-from vllm_hybrid_nixl.lease.table import LeaseTable
-from vllm_hybrid_nixl.lease.wire import LeaseServer
+from vllm_hybrid_nixl.protocol.lease_table import LeaseTable
+from vllm_hybrid_nixl.protocol.lease_wire import LeaseServer
 table = LeaseTable(3600, 3600, forget_after_s=7200)
 for i in range(5000):
     table.hold(f"req-{i}")
@@ -90,7 +90,7 @@ def pin_round_trips(count: int = 2000) -> dict[str, float]:
     """Milliseconds per pin (p50, p99) against a lease service in another process."""
     import subprocess
 
-    from vllm_hybrid_nixl.lease.wire import LeaseAddress, ask
+    from vllm_hybrid_nixl.protocol.lease_wire import LeaseAddress, ask
 
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     try:

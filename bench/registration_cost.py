@@ -25,9 +25,9 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
-    from vllm_hybrid_nixl.testing import worker_harness as harness
+    from tests.harness import worker_harness as harness
+    from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
-    from vllm_hybrid_nixl.worker import HybridNixlPullWorker
 
     model = build_tiny_model(
         workdir / f"hybrid-{layers}", TinyModelSpec(layers=layers, hidden=64, heads=2, kv_heads=1)

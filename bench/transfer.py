@@ -41,7 +41,7 @@ def _agent(name: str):
     tenth of its speed and both figures meant nothing."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from vllm_hybrid_nixl import thread_priority
+    from vllm_hybrid_nixl.connector import thread_priority
 
     before = thread_priority.thread_ids()
     agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv with vllm-hybrid-nixl and everything it needs, on a fresh machine.
 #
-#   scripts/install.sh            package + vLLM CPU build + tiny-model tools
+#   scripts/install.sh            package + vLLM CPU build + router, Ray, tiny-model tools
 #   scripts/install.sh --test     ... + test tools and Ray Serve LLM's requirements
 #
 # Settings (environment variables):
@@ -21,8 +21,8 @@ PYTHON=${PYTHON:-python3}
 VLLM_FLAVOR=${VLLM_FLAVOR:-cpu}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
-extras="tiny"
-[[ "${1:-}" == "--test" ]] && extras="tiny,test,serve,bench"
+extras="tiny,router,ray"
+[[ "${1:-}" == "--test" ]] && extras="tiny,router,ray,test,serve,bench"
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 

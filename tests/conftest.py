@@ -15,7 +15,7 @@ def cuda_build_on_cpu() -> bool:
     """vLLM's CUDA build put on the CPU platform (``VLLM_TARGET_DEVICE=cpu``), as the version
     matrix runs a release the registry serves only as a CUDA build: its Python classes, NIXL
     and the KV-cache planning work, but it has no CPU kernels, so no engine can start."""
-    from vllm_hybrid_nixl import compat
+    from vllm_hybrid_nixl.connector import compat
 
     found = compat.installed_vllm()
     return bool(found and found.distribution == "vllm") and (

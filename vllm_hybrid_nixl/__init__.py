@@ -1,7 +1,9 @@
 """vllm-hybrid-nixl: NIXL prefill/decode disaggregation for hybrid (HMA) models in vLLM.
 
-Importing this package does not import vLLM; the connector classes live in
-``vllm_hybrid_nixl.connector`` and are registered by ``vllm_hybrid_nixl.plugin``.
+Importing this package does not import vLLM. Sub-packages, lowest first (each imports only
+those before it): ``common`` and ``protocol`` (plain data), ``connector`` (what vLLM loads; the
+classes live in ``connector.connectors`` and ``connector.plugin`` registers them), ``tools``,
+``preflight`` and ``router``, ``deploy``; ``cli`` on top.
 """
 
 __version__ = "0.1.0"

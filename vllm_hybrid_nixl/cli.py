@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
-    from vllm_hybrid_nixl import __version__, compat
+    from vllm_hybrid_nixl import __version__
+    from vllm_hybrid_nixl.connector import compat
 
     installed = compat.installed_vllm()
     print(f"vllm-hybrid-nixl {__version__}")
@@ -48,7 +49,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _log_dir_problem(args: argparse.Namespace) -> bool:
     """Print why ``--log-dir`` cannot be used (non-empty, a link, a file); True if so."""
-    from vllm_hybrid_nixl.paths import OutputDirError, checked_output_dir
+    from vllm_hybrid_nixl.common.paths import OutputDirError, checked_output_dir
 
     if not args.log_dir:
         return False
@@ -79,7 +80,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from vllm_hybrid_nixl.demo import DemoOptions, run_demo
+    from vllm_hybrid_nixl.deploy.demo import DemoOptions, run_demo
 
     if _log_dir_problem(args):
         return 2
@@ -95,8 +96,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from vllm_hybrid_nixl.ray.config import ConfigError, load_config, make_config
-    from vllm_hybrid_nixl.ray.run import serve_until_signalled
+    from vllm_hybrid_nixl.deploy.ray.config import ConfigError, load_config, make_config
+    from vllm_hybrid_nixl.deploy.ray.run import serve_until_signalled
 
     if _log_dir_problem(args):
         return 2
@@ -132,7 +133,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     import shlex
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the table, not vLLM's start-up log
-    from vllm_hybrid_nixl.check import run_check
+    from vllm_hybrid_nixl.preflight.check import run_check
 
     def side(config: str | None, extra: str) -> list[str]:
         argv = shlex.split(extra)
@@ -348,7 +349,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "vllm":
-        from vllm_hybrid_nixl.launcher import main as launch
+        from vllm_hybrid_nixl.connector.launcher import main as launch
 
         launch(argv[1:])  # `vllm ...` with every argument passed through
         return 0

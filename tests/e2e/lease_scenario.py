@@ -31,7 +31,7 @@ class LateLegOutcome:
     def assert_guarded(self) -> None:
         """Zero 200-wrong; every leg a clear error, or (where vLLM cannot fail a hybrid load:
         releases before 0.32) correct after the decode engine computed the prompt itself."""
-        from vllm_hybrid_nixl import compat
+        from vllm_hybrid_nixl.connector import compat
 
         assert self.wrong_200 == 0, self
         assert self.sent == 4, self

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-from vllm_hybrid_nixl.kv_metrics import KvTransferCounters, read_kv_transfer_counters
-from vllm_hybrid_nixl.netutil import free_port
-from vllm_hybrid_nixl.pd import disaggregated_completion
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(

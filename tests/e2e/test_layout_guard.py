@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS
-from vllm_hybrid_nixl import compat
-from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-from vllm_hybrid_nixl.fingerprint import decode as decode_fingerprint
-from vllm_hybrid_nixl.handshake_probe import fetch_compat_string
-from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.netutil import free_port
-from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.protocol.fingerprint import decode as decode_fingerprint
+from vllm_hybrid_nixl.protocol.handshake_probe import fetch_compat_string
 from vllm_hybrid_nixl.router import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.pd_fixture import COMMON_ARGS, start_pair
-from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
+from tests.harness.releases import STOCK_REFUSAL, stock_is_strict
 
 pytestmark = pytest.mark.e2e
 

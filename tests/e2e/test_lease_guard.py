@@ -18,9 +18,9 @@ import pytest
 
 from tests.e2e.lease_scenario import PROMPTS, body, expected_texts, late_legs
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair
-from vllm_hybrid_nixl import compat
-from vllm_hybrid_nixl.engines import EngineProcess
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 

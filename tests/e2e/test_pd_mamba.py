@@ -28,8 +28,8 @@ import pytest
 
 from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
-from vllm_hybrid_nixl.engines import EngineProcess
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model

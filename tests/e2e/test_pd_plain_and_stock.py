@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
-from vllm_hybrid_nixl.engines import EngineProcess, EngineSpec
-from vllm_hybrid_nixl.netutil import free_port
-from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
+from tests.harness.releases import STOCK_REFUSAL, stock_is_strict
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e

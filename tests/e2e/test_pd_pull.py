@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
-from vllm_hybrid_nixl.pd import LegError, disaggregated_completion
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 
 pytestmark = pytest.mark.e2e
 
@@ -77,7 +77,7 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
     release's side-channel form (the other form kills vLLM's listener thread): both layouts
     are read, and the engines still hand out their handshake and serve P/D afterwards. The
     version matrix runs this on every release (0.25.1 speaks the other form)."""
-    from vllm_hybrid_nixl.netutil import free_port
+    from vllm_hybrid_nixl.common.netutil import free_port
     from vllm_hybrid_nixl.router.backends import BackendPool
     from vllm_hybrid_nixl.router.server import RouterServer
 

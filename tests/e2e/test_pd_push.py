@@ -22,7 +22,7 @@ def pair(tiny_hybrid_model, tmp_path_factory) -> Iterator[PdPair]:
         prefill={"connector": "HybridNixlPushConnector", "env": {"VLLM_PLUGINS": "hybrid_nixl"}},
         decode={
             "connector": "HybridNixlPushConnector",
-            "connector_module_path": "vllm_hybrid_nixl.connector",
+            "connector_module_path": "vllm_hybrid_nixl.connector.connectors",
             "env": {"VLLM_PLUGINS": "some_other_plugin"},
         },
     )

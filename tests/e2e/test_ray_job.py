@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.e2e.test_cli_serve import alive, engine_pids
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +83,7 @@ def test_job_entry_point_serves_and_stops_with_the_job(
     )
     client = JobSubmissionClient(job_server)
     job_id = client.submit_job(
-        entrypoint=f"{sys.executable} -m vllm_hybrid_nixl.ray.job --config {config}"
+        entrypoint=f"{sys.executable} -m vllm_hybrid_nixl.deploy.ray.job --config {config}"
     )
     try:
         router = wait_for_router(client, job_id)

@@ -27,10 +27,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.e2e.pd_fixture import colocated_texts, engine_posts, request_reruns
-from vllm_hybrid_nixl.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
-from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.ray.config import make_config
-from vllm_hybrid_nixl.ray.deployment import PDDeployment
+from vllm_hybrid_nixl.deploy.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.ray.config import make_config
+from vllm_hybrid_nixl.deploy.ray.deployment import PDDeployment
 from vllm_hybrid_nixl.router.settings import RouterKeys
 
 pytestmark = pytest.mark.e2e

@@ -26,8 +26,8 @@ from tests.e2e.pd_fixture import (
     request_reruns,
     start_pair,
 )
-from vllm_hybrid_nixl.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.router.auth import EngineAccessError
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid_nixl.check import run_check
+from vllm_hybrid_nixl.preflight.check import run_check
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 @pytest.fixture(scope="module")
 def serve_parser():
-    from vllm_hybrid_nixl.launcher import install_cpu_version_alias
+    from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias
 
     install_cpu_version_alias()
     from vllm.entrypoints.cli.serve import ServeSubcommand

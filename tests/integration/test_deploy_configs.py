@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_hybrid_nixl import container
 from vllm_hybrid_nixl.cli import build_parser
-from vllm_hybrid_nixl.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
+from vllm_hybrid_nixl.deploy import container
+from vllm_hybrid_nixl.deploy.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,7 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def serve_parser():
-    from vllm_hybrid_nixl.launcher import install_cpu_version_alias
+    from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias
 
     install_cpu_version_alias()
     from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -71,13 +71,13 @@ def serve_parser():
 def engine_args(service: dict[str, Any], serve_parser) -> tuple[Any, dict[str, str]]:
     """What `vllm serve` receives in that container, parsed by vLLM's own parser."""
     argv, env = container.plan(service["command"], service["environment"], CONTAINER_IP)
-    assert argv[1:4] == ["-m", "vllm_hybrid_nixl.launcher", "serve"]
+    assert argv[1:4] == ["-m", "vllm_hybrid_nixl.connector.launcher", "serve"]
     return serve_parser.parse_args(["serve", *argv[4:]]), env
 
 
 def health_port(service: dict[str, Any]) -> int:
     test = service["healthcheck"]["test"]
-    assert test[:5] == ["CMD", "python3", "-m", "vllm_hybrid_nixl.container", "health"]
+    assert test[:5] == ["CMD", "python3", "-m", "vllm_hybrid_nixl.deploy.container", "health"]
     return int(test[5])
 
 
@@ -150,7 +150,7 @@ def test_cluster_config_passes_rays_autoscaler_schema() -> None:
 
 
 def test_cluster_node_types_offer_what_the_ray_configs_ask_for(tmp_path: Path) -> None:
-    from vllm_hybrid_nixl.ray.config import load_config
+    from vllm_hybrid_nixl.deploy.ray.config import load_config
 
     (tmp_path / "config.json").write_text("{}")
     types = yaml.safe_load(CLUSTER.read_text())["available_node_types"]

@@ -17,12 +17,12 @@ pytestmark = pytest.mark.integration
 PROBE = textwrap.dedent(
     """
     import json
-    from vllm_hybrid_nixl.launcher import install_cpu_version_alias
+    from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias
     install_cpu_version_alias()
     from vllm.plugins import load_general_plugins
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.config import KVTransferConfig
-    from vllm_hybrid_nixl.plugin import register
+    from vllm_hybrid_nixl.connector.plugin import register
     load_general_plugins()
     registered = sorted(n for n in KVConnectorFactory._registry if "Hybrid" in n)
     results = []
@@ -62,13 +62,17 @@ BOTH = ["HybridNixlConnector", "HybridNixlPushConnector"]
 
 def test_entry_point_is_declared() -> None:
     points = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert {p.name: p.value for p in points}["hybrid_nixl"] == "vllm_hybrid_nixl.plugin:register"
+    assert {p.name: p.value for p in points}[
+        "hybrid_nixl"
+    ] == "vllm_hybrid_nixl.connector.plugin:register"
 
 
 def test_names_resolve_through_the_plugin_and_register_is_idempotent() -> None:
     result = probe([{"kv_connector": name, "kv_role": "kv_producer"} for name in BOTH], None)
     assert result["registered"] == BOTH
-    assert result["results"] == [{"class": f"vllm_hybrid_nixl.connector.{n}"} for n in BOTH]
+    assert result["results"] == [
+        {"class": f"vllm_hybrid_nixl.connector.connectors.{n}"} for n in BOTH
+    ]
     assert result["again"] == BOTH
 
 
@@ -76,13 +80,17 @@ def test_plugin_filter_naming_us_keeps_it() -> None:
     result = probe(
         [{"kv_connector": "HybridNixlConnector", "kv_role": "kv_consumer"}], plugins="hybrid_nixl"
     )
-    assert result["results"] == [{"class": "vllm_hybrid_nixl.connector.HybridNixlConnector"}]
+    assert result["results"] == [
+        {"class": "vllm_hybrid_nixl.connector.connectors.HybridNixlConnector"}
+    ]
 
 
 def test_plugin_filter_without_us_still_works_with_module_path() -> None:
     by_name = {"kv_connector": "HybridNixlConnector", "kv_role": "kv_consumer"}
-    by_path = {**by_name, "kv_connector_module_path": "vllm_hybrid_nixl.connector"}
+    by_path = {**by_name, "kv_connector_module_path": "vllm_hybrid_nixl.connector.connectors"}
     result = probe([by_name, by_path], plugins="another_plugin")
     assert result["registered"] == []
     assert "Unsupported connector type: HybridNixlConnector" in result["results"][0]["error"]
-    assert result["results"][1] == {"class": "vllm_hybrid_nixl.connector.HybridNixlConnector"}
+    assert result["results"][1] == {
+        "class": "vllm_hybrid_nixl.connector.connectors.HybridNixlConnector"
+    }

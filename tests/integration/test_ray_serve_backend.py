@@ -29,7 +29,7 @@ def test_unknown_to_ray_without_us_and_nixl_backend_with_us() -> None:
         "from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import "
         "KVConnectorBackendFactory as F\n"
         "print(F.get_backend_class('HybridNixlConnector').__name__)\n"
-        "from vllm_hybrid_nixl.ray_serve import register_ray_serve_backends\n"
+        "from vllm_hybrid_nixl.connector.ray_serve import register_ray_serve_backends\n"
         "print(register_ray_serve_backends(), register_ray_serve_backends())\n"
         "print(F.get_backend_class('HybridNixlConnector').__name__)\n"
     )
@@ -63,7 +63,7 @@ def backend_setup(connector: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str,
 
 
 def test_ray_prepares_a_replica_of_ours_exactly_as_one_of_nixl(monkeypatch) -> None:
-    from vllm_hybrid_nixl.ray_serve import register_ray_serve_backends
+    from vllm_hybrid_nixl.connector.ray_serve import register_ray_serve_backends
 
     assert register_ray_serve_backends()
     stock_port, stock_host, stock_kv = backend_setup("NixlConnector", monkeypatch)
@@ -80,7 +80,7 @@ def test_registration_reaches_other_processes_of_the_cluster() -> None:
     """Registered in this driver, resolved in a Ray worker process (Ray's internal KV)."""
     script = """
 import ray
-from vllm_hybrid_nixl.ray_serve import register_ray_serve_backends
+from vllm_hybrid_nixl.connector.ray_serve import register_ray_serve_backends
 ray.init(_node_ip_address="127.0.0.2", include_dashboard=False, num_cpus=1)
 register_ray_serve_backends()
 
@@ -105,10 +105,10 @@ ray.shutdown()
 def test_shipped_serve_config_builds_a_pd_app_with_our_connector() -> None:
     from ray.serve.deployment import Application
 
-    from vllm_hybrid_nixl.ray_serve import build_pd_openai_app
+    from vllm_hybrid_nixl.deploy.ray.serve import build_pd_openai_app
 
     application = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]
-    assert application["import_path"] == "vllm_hybrid_nixl.ray_serve:build_pd_openai_app"
+    assert application["import_path"] == "vllm_hybrid_nixl.deploy.ray.serve:build_pd_openai_app"
     args = application["args"]
     for role in ("prefill_config", "decode_config"):
         kv = args[role]["engine_kwargs"]["kv_transfer_config"]

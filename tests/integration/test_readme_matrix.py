@@ -11,7 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.connector import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"

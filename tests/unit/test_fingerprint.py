@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from vllm_hybrid_nixl.fingerprint import (
+from vllm_hybrid_nixl.protocol.fingerprint import (
     GroupFingerprint,
     LayoutFingerprint,
     compare_with_peer,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_hybrid_nixl.layout import (
+from vllm_hybrid_nixl.protocol.layout import (
     HybridLayoutError,
     LayerDescription,
     LayoutForm,

@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.test_router_health import Clock
-from vllm_hybrid_nixl.lease.table import EXPIRED, PIN_EXPIRED, READ, LeaseState, LeaseTable
-from vllm_hybrid_nixl.lease.wire import RESTARTED, LeaseAddress, LeaseServer, LeaseUnreachable, ask
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.protocol.lease_table import EXPIRED, PIN_EXPIRED, READ, LeaseState, LeaseTable
+from vllm_hybrid_nixl.protocol.lease_wire import (
+    RESTARTED,
+    LeaseAddress,
+    LeaseServer,
+    LeaseUnreachable,
+    ask,
+)
 
 pytestmark = pytest.mark.unit
 

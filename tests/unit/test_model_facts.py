@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid_nixl.model_facts import keeps_mamba_state
+from vllm_hybrid_nixl.protocol.model_facts import keeps_mamba_state
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def test_the_launcher_sets_mamba_defaults_unless_the_arguments_decide(
     """An explicit VLLM_SSM_CONV_STATE_LAYOUT in the environment wins (vLLM's CPU platform
     itself writes SD into its process environment on AVX512-BF16 machines when the connector
     is not one of vLLM's own names): here there is none."""
-    from vllm_hybrid_nixl.engines import EngineSpec
+    from vllm_hybrid_nixl.deploy.engines import EngineSpec
 
     monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h"}))

@@ -18,8 +18,11 @@ import pytest
 import zmq
 
 from tests.unit.test_fingerprint import make
-from vllm_hybrid_nixl.netutil import free_port
-from vllm_hybrid_nixl.ray.deployment import IncompatibleEnginesError, refuse_incompatible_pairs
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.ray.deployment import (
+    IncompatibleEnginesError,
+    refuse_incompatible_pairs,
+)
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hybrid_nixl.placement import engine_cores
+from vllm_hybrid_nixl.deploy.placement import engine_cores
 
 pytestmark = pytest.mark.unit
 
@@ -51,13 +51,13 @@ def test_bad_counts_are_explained() -> None:
     ],
 )
 def test_each_engine_gets_its_share_of_its_nodes_cores(prefill, decode, cores, expected) -> None:
-    from vllm_hybrid_nixl.placement import engine_core_sets
+    from vllm_hybrid_nixl.deploy.placement import engine_core_sets
 
     assert engine_core_sets(prefill, decode, cores) == expected
 
 
 def test_core_lists_are_written_as_vllm_reads_them() -> None:
-    from vllm_hybrid_nixl.placement import cpu_list
+    from vllm_hybrid_nixl.deploy.placement import cpu_list
 
     assert cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert cpu_list([3]) == "3"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid_nixl.ray.config import ConfigError, load_config, make_config
+from vllm_hybrid_nixl.deploy.ray.config import ConfigError, load_config, make_config
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +110,7 @@ def test_keys_in_a_config_file_are_refused_with_where_they_belong(
 
 def test_the_stock_connector_is_refused_before_anything_starts(tmp_path) -> None:
     """The launcher would refuse its pairs only after every engine had started."""
-    from vllm_hybrid_nixl.ray.config import ConfigError, make_config
+    from vllm_hybrid_nixl.deploy.ray.config import ConfigError, make_config
 
     with pytest.raises(ConfigError, match="NixlConnector .vLLM's stock connector. cannot"):
         make_config(model=str(tmp_path), connector="NixlConnector")

@@ -11,15 +11,15 @@ import textwrap
 
 import pytest
 
-from vllm_hybrid_nixl import thread_priority
+from vllm_hybrid_nixl.connector import thread_priority
 
 pytestmark = pytest.mark.unit
 
 SCRIPT = textwrap.dedent(
     """
     import os, threading, time
-    from vllm_hybrid_nixl import thread_priority
-    from vllm_hybrid_nixl.thread_care import ProgressThreadCare
+    from vllm_hybrid_nixl.connector import thread_priority
+    from vllm_hybrid_nixl.connector.thread_care import ProgressThreadCare
 
     stop, ids = threading.Event(), {}
     def spin():

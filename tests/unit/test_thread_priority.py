@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vllm_hybrid_nixl import thread_priority
+from vllm_hybrid_nixl.connector import thread_priority
 
 pytestmark = pytest.mark.unit
 

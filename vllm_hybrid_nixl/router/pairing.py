@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from vllm_hybrid_nixl.fingerprint import (
+from vllm_hybrid_nixl.protocol.fingerprint import (
     PROTOCOL_VERSION,
     WIRE_PREFIX,
     LayoutFingerprint,
@@ -29,7 +29,11 @@ from vllm_hybrid_nixl.fingerprint import (
     differences,
     is_ours,
 )
-from vllm_hybrid_nixl.handshake_probe import ProbeError, fetch_compat_string, speaks_pp_rank_form
+from vllm_hybrid_nixl.protocol.handshake_probe import (
+    ProbeError,
+    fetch_compat_string,
+    speaks_pp_rank_form,
+)
 from vllm_hybrid_nixl.router.backends import Backend
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from vllm_hybrid_nixl.lease.table import READ, LeaseState
-from vllm_hybrid_nixl.lease.wire import PARAMS_KEY, LeaseAddress, LeaseUnreachable, ask
+from vllm_hybrid_nixl.protocol.lease_table import READ, LeaseState
+from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress, LeaseUnreachable, ask
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.metrics import RouterMetrics

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from vllm_hybrid_nixl.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.router.app import build_app
 from vllm_hybrid_nixl.router.auth import check_engine_access
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -123,7 +123,7 @@ class RouterProcess(_RouterSetup):
         return self._process.pid if self._process else None
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:
-        from vllm_hybrid_nixl.engines import die_with_parent
+        from vllm_hybrid_nixl.common.processes import die_with_parent
 
         check_engine_access(self.pool.all(), self.keys, self.settings.health_timeout_s)
         self._process = subprocess.Popen(

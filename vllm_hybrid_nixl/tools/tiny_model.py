@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hybrid_nixl.paths import OutputDirError, checked_output_dir
+from vllm_hybrid_nixl.common.paths import OutputDirError, checked_output_dir
 
 __all__ = ["ARCHES", "OutputDirError", "TinyModelSpec", "build_tiny_model"]
 

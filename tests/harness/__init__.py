@@ -1,0 +1,1 @@
+"""Test harness: vLLM worker set-up for registration tests and release facts."""

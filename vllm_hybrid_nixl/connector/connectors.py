@@ -1,0 +1,48 @@
+"""``HybridNixlConnector`` (pull) and ``HybridNixlPushConnector``: vLLM's NIXL
+connectors whose workers run the HMA-aware ``register_kv_caches``.
+
+The pull connector also runs the KV lease guard (:mod:`vllm_hybrid_nixl.lease`) on the
+scheduler side; otherwise scheduler behaviour is vLLM's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.lease import LeaseHolderMixin
+from vllm_hybrid_nixl.connector.mamba_guard import refuse_unservable_mamba
+from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker, HybridNixlPushWorker
+
+_NIXL = compat.nixl_classes()
+
+
+class _HybridWorkerMixin:
+    """Builds the hybrid worker instead of the stock one in the worker role."""
+
+    _hybrid_worker_class: type
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        refuse_unservable_mamba(vllm_config, kv_cache_config)
+        if role != _NIXL.connector_role.WORKER:
+            super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+            return
+        # Skip the stock subclass constructor, which would build (and register a
+        # NIXL agent for) the stock worker; the shared base does the config checks.
+        _NIXL.base_connector.__init__(self, vllm_config, role, kv_cache_config)
+        self.connector_scheduler = None
+        self.connector_worker = self._hybrid_worker_class(
+            vllm_config, self.engine_id, kv_cache_config
+        )
+
+
+class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_connector):
+    """Pull-mode (READ) NIXL connector for hybrid models; the default."""
+
+    _hybrid_worker_class = HybridNixlPullWorker
+
+
+class HybridNixlPushConnector(_HybridWorkerMixin, _NIXL.push_connector):
+    """Push-mode (WRITE) NIXL connector for hybrid models."""
+
+    _hybrid_worker_class = HybridNixlPushWorker

