@@ -32,7 +32,7 @@ def test_the_capability_really_is_gone() -> None:
         [
             sys.executable,
             "-c",
-            "from vllm_hybrid_nixl import thread_priority as t; print(t.can_undo_idle())",
+            "from vllm_hybrid_nixl.connector import thread_priority as t; print(t.can_undo_idle())",
         ]
     )
     assert done.returncode == 0, done.stderr

@@ -90,7 +90,7 @@ def test_cpu_version_alias_does_not_fool_detection() -> None:
         "from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias\n"
         "install_cpu_version_alias()\n"
         "import importlib.metadata as md\n"
-        "from vllm_hybrid_nixl import compat\n"
+        "from vllm_hybrid_nixl.connector import compat\n"
         "print(md.version('vllm'), compat.installed_vllm().distribution)\n"
     )
     out = subprocess.run(
