@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hybrid_nixl.router.app import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool, NoCompatiblePairError
+from vllm_hybrid_nixl.router.proxy import prefill_body
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ def test_min_tokens_is_clamped_to_the_prefill_legs_one_token(given, sent) -> Non
 
 
 def test_json_depth_is_counted_without_recursion() -> None:
-    from vllm_hybrid_nixl.router.app import json_depth
+    from vllm_hybrid_nixl.router.limits import json_depth
 
     deep: list = []
     for _ in range(100_000):  # far past Python's recursion limit

@@ -7,6 +7,10 @@ from typing import Any
 
 from starlette.requests import Request
 
+#: Deepest JSON nesting a request may have (OpenAI bodies, tool schemas included, stay far
+#: below); deeper bodies are refused before any engine sees them.
+MAX_JSON_DEPTH = 64
+
 
 class BodyRejected(Exception):
     """The body was too large or too slow; ``status`` is 413 or 408."""
@@ -102,3 +106,27 @@ def uvicorn_http_protocol(header_timeout_s: float) -> type:
     except ImportError:  # httptools not installed
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return header_deadline_protocol(base, header_timeout_s)
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, counted without recursion, up to ``limit + 1``.
+    Only containers are visited: a prompt of token ids is one level, not a walk per id."""
+    if not isinstance(value, dict | list):
+        return 0
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def nested_too_deep(raw: bytes, body: Any, limit: int) -> bool:
+    """Whether the body nests deeper than ``limit``. A body with at most ``limit`` brackets
+    cannot (counted in C, strings included), so most bodies are never walked."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return json_depth(body, limit) > limit

@@ -1,0 +1,187 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: read and check the body, run the two legs
+(``proxy.Disaggregator``), and answer: the decode engine's body, its stream relayed chunk by
+chunk (a stream that breaks ends with an error event, never silently), or a clear error. A
+client that goes away aborts its legs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from vllm_hybrid_nixl.router.backends import NoCompatiblePairError
+from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.limits import MAX_JSON_DEPTH, BodyRejected, nested_too_deep, read_body
+from vllm_hybrid_nixl.router.metrics import RouterMetrics
+from vllm_hybrid_nixl.router.models import ServedModels
+from vllm_hybrid_nixl.router.proxy import Disaggregator, LegError, NoEngineError
+from vllm_hybrid_nixl.router.responses import error_response, leg_error_response, stream_error_event
+from vllm_hybrid_nixl.router.settings import RouterSettings
+from vllm_hybrid_nixl.router.validation import request_problem
+
+logger = logging.getLogger("vllm_hybrid_nixl.router")
+
+
+class BadRequest(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__("bad request")
+        self.response = response
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class CompletionHandler:
+    """One handler for both OpenAI completion routes."""
+
+    def __init__(
+        self,
+        proxy: Disaggregator,
+        health: HealthTracker,
+        metrics: RouterMetrics,
+        models: ServedModels,
+        settings: RouterSettings,
+    ) -> None:
+        self.proxy, self.health, self.metrics = proxy, health, metrics
+        self.models, self.settings = models, settings
+
+    async def handle(self, path: str, endpoint: str, request: Request) -> Response:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
+        try:
+            body = await self.checked_body(endpoint, request)
+        except BadRequest as exc:
+            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            return exc.response
+
+        def finish(outcome: str) -> None:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.in_flight.dec()
+
+        self.metrics.in_flight.inc()
+        legs = asyncio.create_task(self.proxy.run(path, body))
+        gone = asyncio.create_task(until_disconnected(request))
+        try:
+            await asyncio.wait({legs, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not legs.done():  # the client left: abort the legs (engines abort on disconnect)
+            legs.cancel()
+            with suppress(BaseException):
+                await legs
+            self.metrics.client_disconnects.inc()
+            finish("client_disconnected")
+            return Response(status_code=499)
+        try:
+            answer = legs.result()
+        except Exception as exc:  # noqa: BLE001 - each kind is answered in failed()
+            return self.failed(exc, request_id, finish)
+        if not body.get("stream"):
+            finish("ok")
+            return Response(
+                answer.response.content,
+                status_code=200,
+                media_type=answer.response.headers.get("content-type", "application/json"),
+            )
+        return StreamingResponse(
+            self.relay(answer, request_id, finish), media_type="text/event-stream"
+        )
+
+    async def checked_body(self, endpoint: str, request: Request) -> Any:
+        """The parsed body, or BadRequest carrying the 4xx to send."""
+        too_deep = False
+        try:
+            raw = await read_body(
+                request, self.settings.max_body_bytes, self.settings.body_timeout_s
+            )
+            body = json.loads(raw)
+        except BodyRejected as exc:
+            raise BadRequest(
+                error_response(exc.status, exc.message, "invalid_request_error")
+            ) from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            message = f"request body is not valid JSON ({exc})"
+            raise BadRequest(error_response(400, message, "invalid_request_error")) from exc
+        except RecursionError:
+            too_deep = True  # deeper than Python's parser goes
+        if too_deep or nested_too_deep(raw, body, MAX_JSON_DEPTH):
+            message = f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it"
+            raise BadRequest(error_response(400, message, "invalid_request_error"))
+        wanted = body.get("model") if isinstance(body, dict) else None
+        names, max_model_len = await self.models.facts(self.proxy.client, wanted)
+        problem = request_problem(endpoint, body, self.settings, names, max_model_len)
+        if problem is not None:
+            raise BadRequest(
+                error_response(problem.status, problem.message, problem.kind, param=problem.param)
+            )
+        return body
+
+    def failed(self, exc: Exception, request_id: str, finish: Callable[[str], None]) -> Response:
+        """The answer to legs that ended in ``exc``."""
+        if isinstance(exc, LegError):
+            finish(f"{exc.leg}_error")
+            return leg_error_response(exc, request_id)
+        if isinstance(exc, NoCompatiblePairError):
+            finish("incompatible_engines")
+            logger.error("request %s: %s", request_id, exc)
+            return error_response(
+                503, str(exc), "incompatible_engines", reasons=exc.reasons, request_id=request_id
+            )
+        if isinstance(exc, NoEngineError):
+            finish(f"no_{exc.leg}_engine")
+            logger.warning("request %s: %s", request_id, exc)
+            return error_response(
+                503, exc.public_message, "service_unavailable", leg=exc.leg, request_id=request_id
+            )
+        finish("router_error")
+        logger.error("request %s: the router failed to serve it", request_id, exc_info=exc)
+        return error_response(
+            500,
+            f"the router could not serve this request (request id {request_id}; the "
+            "router's log has the cause)",
+            "router_error",
+            request_id=request_id,
+        )
+
+    async def relay(
+        self, answer: Any, request_id: str, finish: Callable[[str], None]
+    ) -> AsyncIterator[bytes]:
+        """The decode engine's stream, chunk by chunk; an error event if it breaks."""
+        outcome = "ok"
+        try:
+            yield answer.first
+            async for chunk in answer.rest:
+                yield chunk
+        except httpx.HTTPError as exc:
+            outcome = "decode_stream_broken"
+            self.health.record_failure(answer.decode, f"stream broke: {exc!r}")
+            logger.warning(
+                "request %s: decode stream from %s broke: %r", request_id, answer.decode.url, exc
+            )
+            yield stream_error_event(
+                f"decode leg failed on engine {answer.decode.label} while streaming: "
+                f"{type(exc).__name__}; the answer is incomplete (request id {request_id})"
+            )
+        except asyncio.CancelledError:
+            outcome = "client_disconnected"
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            await answer.response.aclose()  # closing the stream aborts it on the engine
+            self.proxy.leg_ended(answer.decode)
+            finish(outcome)

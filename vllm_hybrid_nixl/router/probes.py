@@ -1,0 +1,76 @@
+"""The router's one engine poller: ``/health`` of every engine each probe interval, and the
+engines' layouts (for pairing) when unknown, when an engine comes (back) up — a restarted
+engine may have another layout — and all of them every ``LAYOUT_REFRESH_S``. Request
+handlers only read what this cached."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+
+import httpx
+
+from vllm_hybrid_nixl.router.backends import Backend, BackendPool
+from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.metrics import RouterMetrics
+from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.proxy import Disaggregator
+from vllm_hybrid_nixl.router.settings import RouterSettings
+
+#: Seconds between full re-reads of every engine's layout.
+LAYOUT_REFRESH_S = 30.0
+
+
+class EngineProbes:
+    """Health and layout probes for every engine of ``pool``."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        pairing: PairingTable,
+        health: HealthTracker,
+        metrics: RouterMetrics,
+        proxy: Disaggregator,
+        settings: RouterSettings,
+    ) -> None:
+        self.pool, self.pairing, self.health = pool, pairing, health
+        self.metrics, self.proxy, self.settings = metrics, proxy, settings
+        self._layouts_read_at = time.monotonic()
+
+    async def probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
+        # Through the engine's own leg pool: the probe also closes that pool's expired
+        # connections (httpx prunes a pool only when it is used), so idle engine
+        # connections go back to one per engine between bursts.
+        client = self.proxy.leg_clients.get(backend.url, client)
+        try:
+            response = await client.get(
+                f"{backend.url}/health", timeout=self.settings.health_timeout_s
+            )
+            ok, detail = response.status_code == 200, f"/health: HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, detail = False, f"/health: {exc!r}"
+        self.health.record_probe(backend, ok, "" if ok else detail)
+        self.metrics.engine_up.labels(backend.url, backend.role).set(
+            1 if self.health.state(backend).value == "up" else 0
+        )
+
+    async def probe_all(self, client: httpx.AsyncClient) -> None:
+        """Every engine's health, then the layouts that need reading."""
+        engines = self.pool.all()
+        was_up = {b.url for b in engines if self.health.state(b).value == "up"}
+        await asyncio.gather(*(self.probe(client, b) for b in engines))
+        came_up = [b for b in engines if self.health.state(b).value == "up" and b.url not in was_up]
+        if time.monotonic() - self._layouts_read_at >= LAYOUT_REFRESH_S:
+            self._layouts_read_at = time.monotonic()
+            await asyncio.to_thread(self.pairing.refresh)
+        elif came_up:
+            await asyncio.to_thread(self.pairing.refresh, False, came_up)
+        elif self.pairing.needs_probe():
+            await asyncio.to_thread(self.pairing.refresh, True)
+
+    async def probe_forever(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_s)
+            with suppress(Exception):  # a probe round must never end the loop
+                await self.probe_all(client)
