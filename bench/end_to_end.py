@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from vllm_hybrid_nixl.deploy.pd_client import prefill_body
+
 RESULTS = Path(__file__).parent / "results"
 WAYS = ("router", "client_legs", "colocated")
 MAX_MODEL_LEN = 1024
@@ -50,13 +52,7 @@ async def timed_request(
     tokens after the first, averaged)."""
     started = time.perf_counter()
     if way == "client_legs":
-        prefill = {
-            **body,
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }
-        first = await client.post(f"{urls['prefill']}/v1/completions", json=prefill)
+        first = await client.post(f"{urls['prefill']}/v1/completions", json=prefill_body(body))
         first.raise_for_status()
         body = {**body, "kv_transfer_params": first.json()["kv_transfer_params"]}
         url = urls["decode"]

@@ -32,6 +32,7 @@ import httpx
 
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,12 +41,7 @@ ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 
 def ttft(client: httpx.Client, prefill_url: str, decode_url: str, body: dict) -> float:
     started = time.perf_counter()
-    leg = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
+    leg = prefill_body(body)
     params = client.post(f"{prefill_url}/v1/completions", json=leg).json()["kv_transfer_params"]
     decode = {**body, "stream": True, "kv_transfer_params": params}
     with client.stream("POST", f"{decode_url}/v1/completions", json=decode) as stream:

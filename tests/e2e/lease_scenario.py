@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tests.e2e.pd_fixture import PdPair
+from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 
 PROMPTS = [
     f"Entry {i} of the lighthouse keeper's log: the fog came in from the west and " * 4
@@ -65,12 +66,9 @@ def prefill_legs(prefill_url: str, model: str) -> dict[str, dict]:
     saved = {}
     with httpx.Client(timeout=120) as client:
         for prompt in PROMPTS:
-            leg = {
-                **body(model, prompt),
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True},
-            }
-            answer = client.post(f"{prefill_url}/v1/completions", json=leg)
+            answer = client.post(
+                f"{prefill_url}/v1/completions", json=prefill_body(body(model, prompt))
+            )
             answer.raise_for_status()
             saved[prompt] = answer.json()["kv_transfer_params"]
     return saved

@@ -30,6 +30,7 @@ from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
+from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -165,10 +166,9 @@ def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
     try:
         decode.wait_healthy(timeout_s=420)
         with httpx.Client(timeout=120) as client:
-            leg = {**body(pair.model, PROMPTS[0]), "max_tokens": 1}
             params = client.post(
                 f"{pair.prefill.spec.url}/v1/completions",
-                json={**leg, "kv_transfer_params": {"do_remote_decode": True}},
+                json=prefill_body(body(pair.model, PROMPTS[0])),
             ).json()["kv_transfer_params"]
             answer = client.post(
                 f"{spec.url}/v1/completions",

@@ -81,13 +81,9 @@ def image_problems() -> list[str]:
 
 def health(port: int, address: str, timeout_s: float = 5.0) -> int:
     """0 when ``/health`` on this container's address answers 200."""
-    import httpx
+    from vllm_hybrid_nixl.deploy.engines import answers_health
 
-    try:
-        ok = httpx.get(f"http://{address}:{port}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        ok = False
-    return 0 if ok else 1
+    return 0 if answers_health(f"http://{address}:{port}", timeout_s) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,57 +124,17 @@ def _serve_and_compare(
     serving = time.perf_counter()
     decode_url = deployment.urls("decode")[0]
     colocated_url = deployment.urls("prefill")[0]
-    all_match = True
-    prompt_tokens = 0
     with httpx.Client(timeout=120.0) as client:
         before = read_kv_transfer_counters(decode_url, client)
-        for index, prompt in enumerate(options.prompts):
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": options.max_tokens,
-                "temperature": 0.0,
-                "return_token_ids": True,
-            }
-            pd = client.post(f"{deployment.router_url}/v1/completions", json=body)
-            co = client.post(
-                f"{colocated_url}/v1/completions", json={**body, "cache_salt": COLOCATED_SALT}
-            )
-            pd.raise_for_status()
-            co.raise_for_status()
-            pd_choice, co_choice = pd.json()["choices"][0], co.json()["choices"][0]
-            match = pd_choice["token_ids"] == co_choice["token_ids"]
-            prompt_tokens += pd.json()["usage"]["prompt_tokens"]
-            all_match &= match
-            print(
-                f"prompt {index} ({pd.json()['usage']['prompt_tokens']} tokens): "
-                f"{'MATCH' if match else 'DIFFERENT'}\n"
-                f"  P/D:       {pd_choice['text']!r}\n  colocated: {co_choice['text']!r}"
-            )
+        all_match, prompt_tokens = _compare_answers(
+            client, options, model, deployment.router_url, colocated_url
+        )
         moved = read_kv_transfer_counters(decode_url, client) - before
-        timing = {"pd": [], "co": []}
-        for prompt in options.prompts:
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": options.max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            }
-            timing["pd"].append(stream_timing(client, deployment.router_url, body))
-            timing["co"].append(
-                stream_timing(client, colocated_url, {**body, "cache_salt": COLOCATED_SALT})
-            )
+        ttft, rate = _speed_ratios(client, options, model, deployment.router_url, colocated_url)
     serving_s = time.perf_counter() - serving
     print(
         f"KV over NIXL: {moved.external_prompt_tokens:.0f} of {prompt_tokens} prompt tokens, "
         f"{moved.nixl_bytes:.0f} bytes, {moved.failed_transfers:.0f} failed transfers"
-    )
-    ttft = statistics.median(p[0] for p in timing["pd"]) / statistics.median(
-        c[0] for c in timing["co"]
-    )
-    rate = statistics.median(p[1] for p in timing["pd"]) / statistics.median(
-        c[1] for c in timing["co"]
     )
     print(f"time to first token, router / colocated (median ratio): {ttft:.2f}")
     print(f"output tokens/s, router / colocated (median ratio):     {rate:.2f}")
@@ -184,12 +144,64 @@ def _serve_and_compare(
     # Each decode engine may compute a prompt's last token itself, nothing more.
     no_recompute = moved.external_prompt_tokens >= prompt_tokens - len(options.prompts)
     ok = all_match and no_recompute and moved.failed_transfers == 0
-    print(
-        "RESULT: "
-        + (
-            "OK - every P/D answer equals the colocated answer and the KV came over NIXL"
-            if ok
-            else "MISMATCH"
-        )
-    )
+    verdict = "OK - every P/D answer equals the colocated answer and the KV came over NIXL"
+    print("RESULT: " + (verdict if ok else "MISMATCH"))
     return 0 if ok else 1
+
+
+def _compare_answers(
+    client: httpx.Client, options: DemoOptions, model: str, router_url: str, colocated_url: str
+) -> tuple[bool, int]:
+    """Each prompt through the router and colocated, token ids compared and printed;
+    (all equal, prompt tokens in all)."""
+    all_match, prompt_tokens = True, 0
+    for index, prompt in enumerate(options.prompts):
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": options.max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        pd = client.post(f"{router_url}/v1/completions", json=body)
+        co = client.post(
+            f"{colocated_url}/v1/completions", json={**body, "cache_salt": COLOCATED_SALT}
+        )
+        pd.raise_for_status()
+        co.raise_for_status()
+        pd_choice, co_choice = pd.json()["choices"][0], co.json()["choices"][0]
+        match = pd_choice["token_ids"] == co_choice["token_ids"]
+        prompt_tokens += pd.json()["usage"]["prompt_tokens"]
+        all_match &= match
+        print(
+            f"prompt {index} ({pd.json()['usage']['prompt_tokens']} tokens): "
+            f"{'MATCH' if match else 'DIFFERENT'}\n"
+            f"  P/D:       {pd_choice['text']!r}\n  colocated: {co_choice['text']!r}"
+        )
+    return all_match, prompt_tokens
+
+
+def _speed_ratios(
+    client: httpx.Client, options: DemoOptions, model: str, router_url: str, colocated_url: str
+) -> tuple[float, float]:
+    """Median time to first token and output tokens/s, router over colocated, streamed
+    alternately prompt by prompt."""
+    timing: dict[str, list[tuple[float, float, int]]] = {"pd": [], "co": []}
+    for prompt in options.prompts:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": options.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        timing["pd"].append(stream_timing(client, router_url, body))
+        timing["co"].append(
+            stream_timing(client, colocated_url, {**body, "cache_salt": COLOCATED_SALT})
+        )
+
+    def median_ratio(index: int) -> float:
+        pd = statistics.median(t[index] for t in timing["pd"])
+        return pd / statistics.median(t[index] for t in timing["co"])
+
+    return median_ratio(0), median_ratio(1)

@@ -25,6 +25,15 @@ from vllm_hybrid_nixl.protocol.model_facts import keeps_mamba_state
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
+def answers_health(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url``/health answers 200 now: the one synchronous health poll of engines
+    (and of a container's server) that deployment code uses."""
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 class EngineStartError(RuntimeError):
     """A ``vllm serve`` process exited or did not become healthy in time."""
 
@@ -167,11 +176,8 @@ class EngineProcess:
                     f"{self.spec.role} engine on port {self.spec.port} exited with code {code} "
                     f"before it was healthy; last log lines ({self.log_path}):\n" + self.log_tail()
                 )
-            try:
-                if httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if answers_health(self.spec.url):
+                return
             elapsed = time.monotonic() - started
             if progress and elapsed - last_report >= 10:
                 last_report = elapsed

@@ -1,7 +1,8 @@
 """One disaggregated completion: the prefill leg on P, then the decode leg on D.
 
 The full router (several engines, streaming, health) lives in ``vllm_hybrid_nixl.router``;
-this is the two-leg protocol itself, shared by the demo and the tests.
+this is the two-leg protocol itself for one client (demo, benchmarks, tests). The prefill
+leg is the router's own (``router.proxy.prefill_body``), so both speak one protocol.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from vllm_hybrid_nixl.router.proxy import prefill_body
+
+__all__ = ["DisaggregatedResult", "LegError", "disaggregated_completion", "prefill_body"]
 
 
 class LegError(RuntimeError):
@@ -42,13 +47,7 @@ def disaggregated_completion(
     client: httpx.Client, prefill_url: str, decode_url: str, body: dict[str, Any]
 ) -> DisaggregatedResult:
     """Prefill on ``prefill_url`` (1 token, KV kept), then decode on ``decode_url`` with that KV."""
-    prefill_body = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
-    prefill = _post(client, "prefill", prefill_url, prefill_body)
+    prefill = _post(client, "prefill", prefill_url, prefill_body(body))
     params = prefill.get("kv_transfer_params")
     if not params:
         raise LegError(

@@ -79,14 +79,6 @@ def _connector_of(engine_args: Any) -> str:
 
 def side_report(role: str, args: list[str], engine_args: Any | None = None) -> SideReport:
     """Fingerprint one side from its engine arguments (a dry run, no engine)."""
-    from vllm.v1.worker.utils import select_common_block_size
-
-    from vllm_hybrid_nixl.connector.kv_cache_facts import (
-        MAMBA_KINDS,
-        fingerprint_of,
-        representative_spec,
-        spec_kind,
-    )
     from vllm_hybrid_nixl.connector.mamba_guard import (
         UnservableMambaConfigError,
         refuse_unservable_mamba,
@@ -96,6 +88,7 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
     engine_args = engine_args if engine_args is not None else parse_engine_args(args)
     connector = _connector_of(engine_args)
     mode = "push" if connector in PUSH_CONNECTORS else "pull"
+    unservable = ""
     with contextlib.ExitStack() as stack:
         try:
             setup = stack.enter_context(kv_cache_setup(engine_args))
@@ -103,48 +96,65 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
             raise CheckInputError(
                 f"{role}: vLLM could not build a config from these arguments: {exc}"
             ) from exc
-        config = setup.vllm_config
-        attention_sizes = [
-            group.kv_cache_spec.block_size
-            for group in setup.kv_cache_config.kv_cache_groups
-            if spec_kind(representative_spec(group.kv_cache_spec)) not in MAMBA_KINDS
-        ]
-        # As vLLM's NIXL worker: one transfer block size for all attention groups.
-        block_size = (
-            math.lcm(*attention_sizes) if attention_sizes else config.cache_config.block_size
-        )
-        kernel = select_common_block_size(block_size, setup.attn_backends)
-        backend = setup.attn_backends[0].get_name()
-        fingerprint = fingerprint_of(
-            config,
-            setup.kv_cache_config,
-            kernel_block_size=kernel,
-            attn_backend=backend,
-            kv_layout=compat.kv_cache_layout_name(config),
-            transfer_mode=mode,
-            vllm_compat_hash=compat.stock_compat_hash(config, backend, mode),
-        )
+        fingerprint = _fingerprint_of(setup, mode)
         try:
-            refuse_unservable_mamba(config, setup.kv_cache_config)
-            unservable = ""
+            refuse_unservable_mamba(setup.vllm_config, setup.kv_cache_config)
         except UnservableMambaConfigError as exc:
             unservable = str(exc)
     report = SideReport(role, args, connector, fingerprint)
-    if unservable:
-        report.warnings.append(f"{role}: {unservable}")
+    report.warnings += _warnings(role, connector, fingerprint, unservable)
+    return report
+
+
+def _fingerprint_of(setup: Any, mode: str) -> LayoutFingerprint:
+    """The fingerprint the engine's worker would send for this dry-run set-up."""
+    from vllm.v1.worker.utils import select_common_block_size
+
+    from vllm_hybrid_nixl.connector.kv_cache_facts import (
+        MAMBA_KINDS,
+        fingerprint_of,
+        representative_spec,
+        spec_kind,
+    )
+
+    config = setup.vllm_config
+    attention_sizes = [
+        group.kv_cache_spec.block_size
+        for group in setup.kv_cache_config.kv_cache_groups
+        if spec_kind(representative_spec(group.kv_cache_spec)) not in MAMBA_KINDS
+    ]
+    # As vLLM's NIXL worker: one transfer block size for all attention groups.
+    block_size = math.lcm(*attention_sizes) if attention_sizes else config.cache_config.block_size
+    kernel = select_common_block_size(block_size, setup.attn_backends)
+    backend = setup.attn_backends[0].get_name()
+    return fingerprint_of(
+        config,
+        setup.kv_cache_config,
+        kernel_block_size=kernel,
+        attn_backend=backend,
+        kv_layout=compat.kv_cache_layout_name(config),
+        transfer_mode=mode,
+        vllm_compat_hash=compat.stock_compat_hash(config, backend, mode),
+    )
+
+
+def _warnings(
+    role: str, connector: str, fingerprint: LayoutFingerprint, unservable: str
+) -> list[str]:
+    warnings = [f"{role}: {unservable}"] if unservable else []
     if connector in STOCK_CONNECTORS:
-        report.warnings.append(
+        warnings.append(
             f"{role} uses vLLM's stock {connector}: hybrid layouts are not checked and a "
             "HybridNixlConnector peer refuses it; use HybridNixlConnector"
         )
     if any(g.kind == "mamba" for g in fingerprint.groups) and (
         os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") != "DS"
     ):
-        report.warnings.append(
+        warnings.append(
             f"{role}: a Mamba model needs VLLM_SSM_CONV_STATE_LAYOUT=DS for NIXL transfer "
             "(vLLM's NIXL worker refuses other conv-state layouts); set it on both engines"
         )
-    return report
+    return warnings
 
 
 def compare(prefill: SideReport, decode: SideReport) -> CheckReport:

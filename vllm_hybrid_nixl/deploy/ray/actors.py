@@ -17,11 +17,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import ray
 
 from vllm_hybrid_nixl.common.netutil import free_port
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, answers_health
 
 
 def node_ip_of_this_actor() -> str:
@@ -157,14 +156,7 @@ class EngineActor:
     def status(self) -> dict[str, Any]:
         """alive: the process runs; healthy: its /health answered 200."""
         alive = self.engine.alive()
-        healthy = False
-        if alive:
-            try:
-                healthy = (
-                    httpx.get(f"{self.engine.spec.url}/health", timeout=2.0).status_code == 200
-                )
-            except httpx.HTTPError:
-                healthy = False
+        healthy = alive and answers_health(self.engine.spec.url)
         code = None if alive or self.engine.process is None else self.engine.process.returncode
         return {
             "alive": alive,
