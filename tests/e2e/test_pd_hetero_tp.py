@@ -1,0 +1,122 @@
+"""Heterogeneous tensor parallelism through real engines: a TP=1 prefill engine and a TP=2
+decode engine (vLLM's CPU build runs TP=2 as two worker processes, one per core).
+
+Plain model: stock NIXL supports this, and so do we: ``check``, the router's pairing and the
+engines all accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
+KV read over NIXL by both decode ranks. Hybrid model: not supported (vLLM splits per-rank
+KV heads, which the hybrid layout check cannot map); ``check``, the router and the decode
+engine all refuse it by name."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.preflight.check import run_check
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "64"]
+WORDS = "the decode engine splits its kv heads over two ranks"
+PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 5, 11])]
+
+
+def start_hetero_pair(model: Path, log_dir: Path) -> Iterator[PdPair]:
+    prefill = EngineSpec(
+        str(model), free_port(), "prefill", side_channel_port=free_port(), cpu_core=0,
+        extra_args=ARGS,
+    )  # fmt: skip
+    decode = EngineSpec(
+        str(model), free_port(), "decode", side_channel_port=free_port(),
+        extra_args=[*ARGS, "--tensor-parallel-size", "2"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+    )  # fmt: skip
+    engines = [
+        EngineProcess(prefill, log_dir / "prefill.log"),
+        EngineProcess(decode, log_dir / "decode.log"),
+    ]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy(timeout_s=600)
+        yield PdPair(engines[0], engines[1], str(model))
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def pairing_problem(pair: PdPair) -> str:
+    """What the router's pairing says of this pair, from the engines' side channels."""
+    pool = BackendPool.from_urls(
+        [pair.prefill.spec.url],
+        [pair.decode.spec.url],
+        [pair.prefill.spec.side_channel],
+        [pair.decode.spec.side_channel],
+    )
+    table = PairingTable(pool.all(), timeout_s=30.0)
+    table.refresh()
+    return table.problem(pool.prefill[0], pool.decode[0])
+
+
+def check_text(model: Path) -> tuple[int, str]:
+    out = io.StringIO()
+    base = ["--model", str(model), "--max-model-len", "512", "--block-size", "64"]
+    code = run_check(
+        [*base, "--tensor-parallel-size", "1"], [*base, "--tensor-parallel-size", "2"], out=out
+    )
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def plain_pair(tmp_path_factory) -> Iterator[PdPair]:
+    model = build_tiny_model(tmp_path_factory.mktemp("tp-llama"), TinyModelSpec(arch="llama"))
+    yield from start_hetero_pair(model, tmp_path_factory.mktemp("tp-plain-logs"))
+
+
+def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_pair: PdPair) -> None:
+    code, text = check_text(Path(plain_pair.model))
+    assert code == 0, text
+    assert pairing_problem(plain_pair) == ""
+    for prompt in PROMPTS:
+        body = {"model": plain_pair.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        run = run_pd_and_colocated(plain_pair, body)
+        assert run.pd_choice["text"] == run.colocated_choice["text"], prompt
+        assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0
+        assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
+    log = plain_pair.decode.log_text()
+    assert "Worker_TP0" in log and "Worker_TP1" in log
+    assert log.count("validated 4 KV-cache layers") == 2  # our worker on both ranks
+
+
+def test_hybrid_model_tp1_to_tp2_is_refused_by_check_router_and_engine(
+    plain_pair: PdPair, tiny_hybrid_model: Path, tmp_path: Path
+) -> None:
+    for engine in (plain_pair.prefill, plain_pair.decode):
+        engine.stop()  # two cores: the hybrid pair needs them
+    code, text = check_text(tiny_hybrid_model)
+    assert code == 1, text
+    assert "heterogeneous tensor parallelism with a hybrid model is not supported" in text
+    pair_iter = start_hetero_pair(tiny_hybrid_model, tmp_path)
+    pair = next(pair_iter)
+    try:
+        assert "tensor_parallel_size" in pairing_problem(pair)
+        body = {"model": pair.model, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+        with httpx.Client(timeout=120.0) as client, pytest.raises(LegError) as info:
+            disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+        assert "decode leg" in str(info.value)
+        log = pair.decode.log_text()
+        assert "refused KV transfer" in log and "tensor_parallel_size" in log, log[-3000:]
+    finally:
+        pair_iter.close()
