@@ -90,12 +90,18 @@ class Caches:
     #: layer -> (buffer index, byte offset of its block 0); layers of an HMA overlay share one
     layer_regions: dict[str, tuple[int, int]]
     page_size: int
+    block_stride: int = 0  # bytes from one block to the next; 0: the page size
 
     def block_bytes(self, region: tuple[int, int], block: int) -> torch.Tensor:
         buffer, start = region
-        return self.buffers[buffer][
-            start + block * self.page_size : start + (block + 1) * self.page_size
-        ]
+        begin = start + block * (self.block_stride or self.page_size)
+        return self.buffers[buffer][begin : begin + self.page_size]
+
+    def padding_bytes(self) -> list[torch.Tensor]:
+        """The bytes between blocks of the ``strided`` form (none for the other forms)."""
+        if not self.block_stride or self.block_stride == self.page_size:
+            return []
+        return [buffer.view(-1, self.block_stride)[:, self.page_size :] for buffer in self.buffers]
 
 
 def _backing_regions(
@@ -129,8 +135,9 @@ def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | Non
     """Lay out the caches as vLLM does, with per-layer views in ``form``.
 
     ``form`` is logical ``[NB, PS]``, physical ``[NB*r, PS/r]``, K/V-leading
-    ``[2, NB*r, PS/(2r)]`` or flat bytes. Buffers hold
-    random bytes when ``seed`` is given, zeros otherwise.
+    ``[2, NB*r, PS/(2r)]``, flat bytes, or ``strided``: logical views whose blocks lie two
+    pages apart (a page of padding after each, as a view into a block-interleaved buffer
+    has). Buffers hold random bytes when ``seed`` is given, zeros otherwise.
     """
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
@@ -139,6 +146,8 @@ def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | Non
             return torch.zeros(size, dtype=torch.uint8)
         return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
 
+    if form == "strided":
+        return _strided_caches(kv_cache_config, fill)
     buffers, regions = _backing_regions(kv_cache_config, fill)
     specs = layer_specs(kv_cache_config)
     nb = kv_cache_config.num_blocks
@@ -159,6 +168,27 @@ def allocate_caches(kv_cache_config: Any, form: str, ratio: int, seed: int | Non
         else:
             raise ValueError(form)
     return Caches(buffers, views, regions, max(pages))
+
+
+def _strided_caches(kv_cache_config: Any, fill) -> Caches:
+    """One buffer per backing region of vLLM's layout (layers of an HMA overlay still share
+    it), each block followed by a page of padding; views ``[NB, PS]`` with stride 2*PS."""
+    _, original = _backing_regions(kv_cache_config, lambda size: torch.empty(0))
+    specs = layer_specs(kv_cache_config)
+    nb = kv_cache_config.num_blocks
+    pages = {specs[name].page_size_bytes for name in original}
+    page = max(pages)
+    if len(pages) != 1:
+        raise ValueError(f"the strided form needs one page size, found {sorted(pages)}")
+    buffers, by_region, regions, views = [], {}, {}, {}
+    for name, region in original.items():
+        if region not in by_region:
+            by_region[region] = len(buffers)
+            buffers.append(fill(nb * 2 * page))
+        index = by_region[region]
+        regions[name] = (index, 0)
+        views[name] = buffers[index].view(torch.float32).view(nb, 2, page // 4)[:, 0, :]
+    return Caches(buffers, views, regions, page, block_stride=2 * page)
 
 
 def layer_specs(kv_cache_config: Any) -> dict[str, Any]:

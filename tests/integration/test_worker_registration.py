@@ -63,6 +63,7 @@ def compare_blocks(src: harness.Caches, dst: harness.Caches, nb: int, chosen: li
                 wrong.append((region, block))
             if block not in chosen and copied.any():
                 stray.append((region, block))
+    stray += [("padding", index) for index, pad in enumerate(dst.padding_bytes()) if pad.any()]
     return wrong, stray
 
 
@@ -109,6 +110,30 @@ def test_each_legal_layout_registers_and_moves_the_right_bytes(
     assert forms == {form}
     regions = len(set(src.layer_regions.values()))
     assert moved == 3 * src.page_size * regions
+    assert wrong == [] and stray == []
+
+
+def test_blocks_further_apart_than_a_page_move_right_or_are_refused(
+    setup: harness.ModelSetup,
+) -> None:
+    """Views whose blocks lie two pages apart. Releases whose NIXL worker steps by the
+    tensor's stride (0.30+): registered, and a real NIXL read moves exactly the requested
+    blocks, the padding between them untouched. Earlier releases step by the page, which
+    would read the padding as the next block: refused, naming the release to use."""
+    from vllm_hybrid_nixl.connector import compat
+
+    if not compat.stock_block_strides_from_tensor():
+        worker = make_worker(setup, 1)
+        try:
+            caches = harness.allocate_caches(setup.kv_cache_config, "strided", 1, seed=1)
+            with pytest.raises(HybridLayoutError, match="vLLM 0.30 or newer"):
+                worker.register_kv_caches(caches.views)
+        finally:
+            worker.shutdown()
+        return
+    moved, (wrong, stray), forms, src = transfer(setup, "strided", 1)
+    assert forms == {"logical"}
+    assert moved == 3 * src.page_size * len(set(src.layer_regions.values()))
     assert wrong == [] and stray == []
 
 
