@@ -38,8 +38,7 @@ def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Itera
             port=free_port(),
             role=role,
             side_channel_port=free_port(),
-            cpu_core=core,
-            **{"extra_args": list(COMMON_ARGS), **overrides},
+            **{"cpu_core": core, "extra_args": list(COMMON_ARGS), **overrides},
         )
         engines.append(EngineProcess(spec, log_dir / f"{role}.log"))
     try:

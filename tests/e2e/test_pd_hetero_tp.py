@@ -16,9 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated
-from vllm_hybrid_nixl.common.netutil import free_port
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.preflight.check import run_check
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -27,34 +25,17 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "64"]
 WORDS = "the decode engine splits its kv heads over two ranks"
 PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 5, 11])]
 
 
 def start_hetero_pair(model: Path, log_dir: Path) -> Iterator[PdPair]:
-    prefill = EngineSpec(
-        str(model), free_port(), "prefill", side_channel_port=free_port(), cpu_core=0,
-        extra_args=ARGS,
-    )  # fmt: skip
-    decode = EngineSpec(
-        str(model), free_port(), "decode", side_channel_port=free_port(),
-        extra_args=[*ARGS, "--tensor-parallel-size", "2"],
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
-    )  # fmt: skip
-    engines = [
-        EngineProcess(prefill, log_dir / "prefill.log"),
-        EngineProcess(decode, log_dir / "decode.log"),
-    ]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy(timeout_s=600)
-        yield PdPair(engines[0], engines[1], str(model))
-    finally:
-        for engine in engines:
-            engine.stop()
+    decode = {
+        "extra_args": [*COMMON_ARGS, "--tensor-parallel-size", "2"],
+        "cpu_core": None,
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+    }
+    yield from start_pair(model, log_dir, {}, decode)
 
 
 def pairing_problem(pair: PdPair) -> str:
@@ -72,7 +53,7 @@ def pairing_problem(pair: PdPair) -> str:
 
 def check_text(model: Path) -> tuple[int, str]:
     out = io.StringIO()
-    base = ["--model", str(model), "--max-model-len", "512", "--block-size", "64"]
+    base = ["--model", str(model), "--max-model-len", "1024", "--block-size", "64"]
     code = run_check(
         [*base, "--tensor-parallel-size", "1"], [*base, "--tensor-parallel-size", "2"], out=out
     )
