@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_conv_state_layout_left_behind() -> Iterator[None]:
+    """vLLM's CPU platform, initialised in the test process (dry runs, Ray Serve's config
+    checks), writes its own ``VLLM_SSM_CONV_STATE_LAYOUT`` default into ``os.environ``;
+    engines started later would inherit it instead of our launchers' DS. Each test leaves
+    the variable as it found it."""
+    before = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+    yield
+    if before is None:
+        os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
+    else:
+        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = before
 
 
 def cuda_build_on_cpu() -> bool:

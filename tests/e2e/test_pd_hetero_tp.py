@@ -9,7 +9,8 @@ engine all refuse it by name."""
 
 from __future__ import annotations
 
-import io
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,6 @@ import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
-from vllm_hybrid_nixl.preflight.check import run_check
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -52,12 +52,20 @@ def pairing_problem(pair: PdPair) -> str:
 
 
 def check_text(model: Path) -> tuple[int, str]:
-    out = io.StringIO()
-    base = ["--model", str(model), "--max-model-len", "1024", "--block-size", "64"]
-    code = run_check(
-        [*base, "--tensor-parallel-size", "1"], [*base, "--tensor-parallel-size", "2"], out=out
-    )
-    return code, out.getvalue()
+    """`vllm-hybrid-nixl check` TP=1 against TP=2, in its own process: a dry run in this one
+    would let vLLM's CPU platform write its Mamba conv-state default into our environment,
+    which the Mamba engines of later tests would inherit."""
+    base = f"--model {model} --max-model-len 1024 --block-size 64"
+    cli = Path(sys.executable).with_name("vllm-hybrid-nixl")
+    done = subprocess.run(
+        [
+            str(cli), "check",
+            "--prefill-args", f"{base} --tensor-parallel-size 1",
+            "--decode-args", f"{base} --tensor-parallel-size 2",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
