@@ -30,6 +30,10 @@ from vllm_hybrid_nixl.router.settings import (
 LOCAL_NODE_IP = "127.0.0.2"
 
 
+#: P/D requests a (prefill, decode) pair gets to prove it can move KV at start-up.
+WARM_UP_ATTEMPTS = 3
+
+
 class EngineNotReadyError(RuntimeError):
     """An engine died or did not answer /health in time; names it and shows its log tail."""
 
@@ -289,18 +293,26 @@ class PDDeployment:
         ) as client:
             for p in prefills:
                 for d in decodes:
-                    started = time.monotonic()
-                    try:
-                        disaggregated_completion(client, p.info["url"], d.info["url"], body)
-                    except (LegError, httpx.HTTPError) as exc:
-                        raise EngineNotReadyError(
-                            f"engines {p.name} and {d.name} are up but a P/D request between "
-                            f"them failed: {exc}; see {p.info['log']} and {d.info['log']}"
-                        ) from exc
-                    _say(
-                        f"  {p.name} -> {d.name}: KV transfer path ready "
-                        f"({time.monotonic() - started:.1f}s)"
-                    )
+                    self._warm_up_pair(client, p, d, body)
+
+    def _warm_up_pair(self, client: httpx.Client, p: Any, d: Any, body: dict[str, Any]) -> None:
+        """A first handshake between two loaded engines may time out (vLLM's and our side
+        channel reads wait 5 s); vLLM handshakes again on the next request, so a pair gets
+        ``WARM_UP_ATTEMPTS`` tries before the deployment is called not ready."""
+        started = time.monotonic()
+        for attempt in range(1, WARM_UP_ATTEMPTS + 1):
+            try:
+                disaggregated_completion(client, p.info["url"], d.info["url"], body)
+                break
+            except (LegError, httpx.HTTPError) as exc:
+                if attempt == WARM_UP_ATTEMPTS:
+                    raise EngineNotReadyError(
+                        f"engines {p.name} and {d.name} are up but {attempt} P/D requests "
+                        f"between them failed, the last with: {exc}; see {p.info['log']} and "
+                        f"{d.info['log']}"
+                    ) from exc
+                _say(f"  {p.name} -> {d.name}: attempt {attempt} failed ({exc}); again")
+        _say(f"  {p.name} -> {d.name}: KV transfer path ready ({time.monotonic() - started:.1f}s)")
 
     # ---- facts for callers -------------------------------------------------------------
 
