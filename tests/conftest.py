@@ -55,6 +55,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def tiny_mamba_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer NemotronH: Mamba2 and attention layers (``M*M*``), float32."""
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-nemotron-h"), TinyModelSpec("nemotron-h"))
+
+
+@pytest.fixture(scope="session")
 def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer Llama mixing sliding-window and full attention (2 KV-cache groups)."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model

@@ -4,16 +4,8 @@ Mamba P/D needs (VLLM_SSM_CONV_STATE_LAYOUT=DS; prefix caching off on vLLM's CPU
 Greedy answers must equal the prefill engine answering alone, token for token, with the
 prompt's state read over NIXL; configurations that would die or corrupt are refused by name.
 
-One allowance, with evidence: for Mamba vLLM's decoder recomputes the last prompt token from
-the transferred state (its prefill backoff), so every logprob of a P/D answer differs from
-the colocated one by up to ~0.01 nats (a different order of float operations; measured
--5.04788 vs -5.04798 at the first token, -4.7909 vs -4.7831 at worst). A random-weight model
-has near-uniform logits, so once in a while two candidates are closer than that and greedy
-picks the other one. Wrong state moves them much further:
-``test_the_tolerance_tells_another_prompts_state_apart`` holds the same comparison against
-another prompt's answer and requires it to fail. So answers must be identical up to a token
-where the colocated top two are within ``NEAR_TIE`` of each other, with every logprob
-before it within ``CLOSE``.
+The one allowance (a near tie after vLLM's prefill backoff) is explained in
+``tests/e2e/mamba_answers.py``.
 """
 
 from __future__ import annotations
@@ -27,18 +19,15 @@ import httpx
 import pytest
 
 from tests.e2e.lease_scenario import expected_texts, late_legs
+from tests.e2e.mamba_answers import assert_same_answer, body
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
-from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e
-
-NEAR_TIE = 0.03  # nats between the colocated run's top two candidates
-CLOSE = 0.03  # nats between P/D and colocated logprobs of the same token (measured: < 0.01)
 
 PROMPTS = [
     "The lighthouse keeper wrote in the log that " * 6,
@@ -49,46 +38,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def mamba_model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-nemotron-h"), TinyModelSpec("nemotron-h"))
-
-
-@pytest.fixture(scope="module")
-def pair(mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
+def pair(tiny_mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
     # A short lease, for the late-leg test; the other tests send their legs at once.
     prefill = {"kv_extra_config": {"kv_lease_duration": 3}}
-    yield from start_pair(mamba_model, tmp_path_factory.mktemp("mamba-logs"), prefill, {})
-
-
-def body(model: str, prompt: str) -> dict:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": 12,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "logprobs": 2,
-    }
-
-
-def assert_same_answer(pd: dict, colocated: dict) -> None:
-    """Identical greedy tokens, or identical up to a near tie (see the module docstring)."""
-    ours, theirs = pd["token_ids"], colocated["token_ids"]
-    assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        pd_top = pd["logprobs"]["top_logprobs"][i]
-        alone_top = colocated["logprobs"]["top_logprobs"][i]
-        if a != b:
-            best = sorted(alone_top.values(), reverse=True)
-            assert best[0] - best[1] < NEAR_TIE, (i, pd_top, alone_top)
-            return
-        shared = (set(pd_top) & set(alone_top)) - {""}  # "" stands for several tokens
-        assert all(abs(pd_top[t] - alone_top[t]) < CLOSE for t in shared), (
-            i,
-            pd_top,
-            alone_top,
-        )
+    yield from start_pair(tiny_mamba_model, tmp_path_factory.mktemp("mamba-logs"), prefill, {})
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["lighthouse", "mamba", "short", "ships"])

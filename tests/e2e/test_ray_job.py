@@ -1,6 +1,9 @@
 """The documented ``ray job submit`` flow: a Ray cluster with its job server (started by
 the test, 127.0.0.2), the job entry point submitted through Ray's own JobSubmissionClient,
-a request through the router it prints, then ``stop_job`` ends engines and router."""
+requests through the router it prints, then ``stop_job`` ends engines and router. The job
+serves the Mamba2 hybrid (tiny NemotronH) 1P1D, with nothing Mamba-specific in its config:
+the launcher sets what Mamba P/D needs; answers equal the prefill engine's own (up to the near
+tie explained in ``mamba_answers``) and the state comes over NIXL."""
 
 from __future__ import annotations
 
@@ -14,8 +17,11 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e.mamba_answers import assert_same_answer
+from tests.e2e.mamba_answers import body as mamba_body
 from tests.e2e.test_cli_serve import alive, engine_pids
 from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 
 pytestmark = pytest.mark.e2e
 
@@ -59,8 +65,23 @@ def wait_for_router(client, job_id: str, timeout_s: float = 900) -> str:
     pytest.fail("no router line in the job's log:\n" + client.get_job_logs(job_id)[-4000:])
 
 
+def assert_mamba_pd_through(router: str, model: str) -> None:
+    health = httpx.get(f"{router}/health", timeout=30).json()
+    engines = {e["role"]: e["url"] for e in health["engines"]}
+    body = mamba_body(model, "a ray job serves a mamba hybrid " * 8)
+    with httpx.Client(timeout=300) as client:
+        before = read_kv_transfer_counters(engines["decode"], client)
+        routed = client.post(f"{router}/v1/completions", json=body)
+        assert routed.status_code == 200, routed.text
+        moved = read_kv_transfer_counters(engines["decode"], client) - before
+        alone = client.post(f"{engines['prefill']}/v1/completions", json=body).json()
+    assert_same_answer(routed.json()["choices"][0], alone["choices"][0])
+    assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
+    assert moved.external_prompt_tokens >= routed.json()["usage"]["prompt_tokens"] - 1
+
+
 def test_job_entry_point_serves_and_stops_with_the_job(
-    job_server: str, tiny_hybrid_model, tmp_path: Path
+    job_server: str, tiny_mamba_model, tmp_path: Path
 ) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -69,11 +90,11 @@ def test_job_entry_point_serves_and_stops_with_the_job(
     config.write_text(
         yaml.safe_dump(
             {
-                "model": str(tiny_hybrid_model),
+                "model": str(tiny_mamba_model),
                 "num_prefill": 1,
                 "num_decode": 1,
                 "block_size": 64,
-                "max_model_len": 512,
+                "max_model_len": 1024,
                 "enforce_eager": True,
                 "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
                 "router_port": 0,
@@ -87,10 +108,7 @@ def test_job_entry_point_serves_and_stops_with_the_job(
     )
     try:
         router = wait_for_router(client, job_id)
-        body = {"model": str(tiny_hybrid_model), "prompt": "a ray job", "max_tokens": 4}
-        response = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 4
+        assert_mamba_pd_through(router, str(tiny_mamba_model))
         pids = engine_pids(logs)
         assert len(pids) >= 6  # 2 engines x (API server, engine core, worker)
         assert alive(pids) == pids
