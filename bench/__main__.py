@@ -51,7 +51,14 @@ def commit() -> str:
         return "unknown"
 
 
+def attention_rows(registration: list[dict]) -> list[dict]:
+    """The sliding-window + full-attention rows (the layer-count series)."""
+    return [r for r in registration if r.get("model", "llama-hybrid") == "llama-hybrid"]
+
+
 def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]:
+    mamba = [r for r in registration if r not in attention_rows(registration)]
+    registration = attention_rows(registration)
     by_layers = {row["layers"]: row for row in registration}
     register_row = by_layers.get(64) or registration[-1]
     large = [r["ratio"] for r in moved["blocks"] if r["block_bytes"] >= 256 << 10]
@@ -74,6 +81,9 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
         "pd_vs_colocated_itl_ratio": single["pd_vs_colocated_itl"],
         "pd_vs_colocated_tokens_per_s_ratio": single["pd_vs_colocated_tokens_per_s"],
     }
+    if mamba:
+        top["register_ratio_mamba"] = mamba[-1]["ratio"]
+        top["register_layers_mamba"] = mamba[-1]["layers"]
     if len(registration) >= 2:
         layers = [r["layers"] for r in registration]
         top["register_ms_per_layer"] = {
@@ -91,9 +101,13 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
 
 def table(registration: list[dict], moved: dict, e2e: dict) -> str:
     """The report as Markdown (also printed)."""
-    lines = ["| registration: layers | ours ms | stock ms | ours / stock |", "|---|---|---|---|"]
+    lines = [
+        "| registration: model | layers | ours ms | stock ms | ours / stock |",
+        "|---|---|---|---|---|",
+    ]
     lines += [
-        f"| {r['layers']} | {r['ours_ms']:.1f} | {r['stock_ms']:.1f} | {r['ratio']:.3f} |"
+        f"| {r.get('model', 'llama-hybrid')} | {r['layers']} | {r['ours_ms']:.1f} | "
+        f"{r['stock_ms']:.1f} | {r['ratio']:.3f} |"
         for r in registration
     ]
     lines += [
@@ -154,6 +168,7 @@ def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    registration = attention_rows(registration)
     layers = [r["layers"] for r in registration]
     for way, marker in (("ours", "o-"), ("stock", "s-")):
         axes[0].plot(layers, [r[f"{way}_ms"] for r in registration], marker, label=way)
@@ -191,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         layers, repeats = ([8], 1) if args.smoke else ([8, 64, 256], 5)
         registration = [registration_cost.measure(n, repeats, Path(tmp)) for n in layers]
+        mamba_layers = 8 if args.smoke else 64
+        registration.append(
+            registration_cost.measure(
+                mamba_layers, repeats, Path(tmp), arch=registration_cost.MAMBA_ARCH
+            )
+        )
     print("== KV transfer", file=sys.stderr, flush=True)
     if args.smoke:
         moved = transfer.measure(4 << 20, 1, [64 << 10, 1 << 20], [1, 2])

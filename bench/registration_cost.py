@@ -1,10 +1,12 @@
 """Registration cost: ``register_kv_caches`` of our worker vs vLLM's stock NIXL worker.
 
 Both register the same real caches (vLLM's KVCacheConfig for tiny hybrid models of 8, 64
-and 256 layers) with real NIXL agents; runs alternate ours/stock so machine noise hits
-both alike. Reported as the ratio of medians (ours / stock) and the check's own share.
+and 256 layers: sliding window + full attention, and a Mamba2 hybrid, NemotronH, whose
+Mamba layers register their conv and SSM state per block) with real NIXL agents; runs
+alternate ours/stock so machine noise hits both alike. Reported as the ratio of medians
+(ours / stock) and the check's own share.
 
-    python -m bench.registration_cost [--layers 8 64 256] [--repeats 7]
+    python -m bench.registration_cost [--layers 8 64 256] [--mamba-layers 64] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import uuid
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+MAMBA_ARCH = "nemotron-h"
 
 
-def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
+def measure(
+    layers: int, repeats: int, workdir: Path, arch: str = "llama-hybrid"
+) -> dict[str, float | int | str]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
@@ -29,9 +34,11 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
     from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
-    model = build_tiny_model(
-        workdir / f"hybrid-{layers}", TinyModelSpec(layers=layers, hidden=64, heads=2, kv_heads=1)
-    )
+    if arch == "llama-hybrid":
+        spec = TinyModelSpec(layers=layers, hidden=64, heads=2, kv_heads=1)
+    else:
+        spec = TinyModelSpec(arch=arch, layers=layers)
+    model = build_tiny_model(workdir / f"{arch}-{layers}", spec)
     times: dict[str, list[float]] = {"ours": [], "stock": []}
     check: list[float] = []
     with harness.model_setup(str(model), kv_cache_bytes=layers * (1 << 20)) as setup:
@@ -49,13 +56,14 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
                 finally:
                     worker.shutdown()
             print(
-                f"  {layers} layers: ours {times['ours'][-1] * 1e3:.1f} ms, "
+                f"  {arch}, {layers} layers: ours {times['ours'][-1] * 1e3:.1f} ms, "
                 f"stock {times['stock'][-1] * 1e3:.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
     ours, stock = statistics.median(times["ours"]), statistics.median(times["stock"])
     return {
+        "model": arch,
         "layers": layers,
         "ours_ms": ours * 1e3,
         "stock_ms": stock * 1e3,
@@ -68,18 +76,22 @@ def measure(layers: int, repeats: int, workdir: Path) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--mamba-layers", type=int, nargs="*", default=[64])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:
             rows.append(measure(layers, args.repeats, Path(tmp)))
+        for layers in args.mamba_layers:
+            rows.append(measure(layers, args.repeats, Path(tmp), arch=MAMBA_ARCH))
     print(
-        f"{'layers':>6} {'ours ms':>9} {'stock ms':>9} {'ratio':>6} {'check ms':>9} {'check %':>8}"
+        f"{'model':>12} {'layers':>6} {'ours ms':>9} {'stock ms':>9} {'ratio':>6} "
+        f"{'check ms':>9} {'check %':>8}"
     )
     for row in rows:
         print(
-            f"{row['layers']:>6} {row['ours_ms']:>9.1f} {row['stock_ms']:>9.1f} "
+            f"{row['model']:>12} {row['layers']:>6} {row['ours_ms']:>9.1f} {row['stock_ms']:>9.1f} "
             f"{row['ratio']:>6.3f} {row['check_ms']:>9.2f} {row['check_share'] * 100:>7.1f}%"
         )
     RESULTS.mkdir(exist_ok=True)

@@ -45,6 +45,7 @@ def test_headline_numbers_with_date_commit_and_machine(results: Path) -> None:
     top = json.loads((results / "latest_smoke.json").read_text())
     for key in (
         "register_ratio",
+        "register_ratio_mamba",
         "transfer_vs_memcpy",
         "transfer_vs_one_core_memcpy",
         "pd_vs_colocated_ttft_ratio",
@@ -62,7 +63,10 @@ def test_headline_numbers_with_date_commit_and_machine(results: Path) -> None:
 
 def test_sections_are_complete(results: Path) -> None:
     registration = json.loads((results / "registration_cost_smoke.json").read_text())
-    assert [row["layers"] for row in registration] == [8]
+    assert [(row["model"], row["layers"]) for row in registration] == [
+        ("llama-hybrid", 8),
+        ("nemotron-h", 8),  # the Mamba2 hybrid's row
+    ]
     assert all(finite_positive(row[k]) for row in registration for k in ("ours_ms", "stock_ms"))
     moved = json.loads((results / "transfer_smoke.json").read_text())
     assert [row["block_bytes"] for row in moved["blocks"]] == [64 << 10, 1 << 20]
@@ -86,6 +90,6 @@ def test_sections_are_complete(results: Path) -> None:
 
 def test_report_table_and_plot(results: Path) -> None:
     report = (results / "latest_smoke.md").read_text()
-    assert "| registration: layers |" in report and "| end to end: concurrent |" in report
+    assert "| registration: model | layers |" in report and "| end to end: concurrent |" in report
     png = (results / "latest_smoke.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
