@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,9 @@ MAMBA_ARCH = "nemotron-h"
 def measure(
     layers: int, repeats: int, workdir: Path, arch: str = "llama-hybrid"
 ) -> dict[str, float | int | str]:
+    # Mamba state moves over NIXL only in the DS conv layout (our launchers set it for
+    # engines); harmless for attention-only models. Set before vLLM reads it.
+    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.unit
 SCRIPT = textwrap.dedent(
     """
     import os, threading, time
+    SAMPLE_S = 5.0
     from vllm_hybrid_nixl.connector import thread_priority
     from vllm_hybrid_nixl.connector.thread_care import ProgressThreadCare
 
@@ -29,13 +30,17 @@ SCRIPT = textwrap.dedent(
     before = thread_priority.thread_ids()
     threading.Thread(target=spin, daemon=True).start()
     time.sleep(0.1)
-    care = ProgressThreadCare(thread_priority.thread_ids() - before)
+    # A long sample: registration (before/after) happens while it still runs, and must
+    # not wait for it.
+    care = ProgressThreadCare(thread_priority.thread_ids() - before, sample_s=SAMPLE_S)
     care.before_registration()
     during = os.sched_getscheduler(ids["spin"])
     care.after_registration()
+    not_waited = not care.wait_for_sample(timeout_s=0)
+    assert care.wait_for_sample(timeout_s=60)
     after = os.sched_getscheduler(ids["spin"])
     stop.set()
-    print(care.can_undo, during == os.SCHED_OTHER, after == os.SCHED_IDLE)
+    print(care.can_undo, during == os.SCHED_OTHER, after == os.SCHED_IDLE, not_waited)
     """
 )
 
@@ -49,7 +54,7 @@ def run(prefix: list[str]) -> str:
 
 
 def test_registration_runs_at_normal_priority_and_ends_idle() -> None:
-    assert run([]) == ["True", "True", "True"]
+    assert run([]) == ["True", "True", "True", "True"]
 
 
 def test_without_cap_sys_nice_nothing_is_idled_until_registration_is_done() -> None:
@@ -60,7 +65,7 @@ def test_without_cap_sys_nice_nothing_is_idled_until_registration_is_done() -> N
     if os.geteuid() == 0:
         assert shutil.which("capsh"), "capsh (Debian's libcap2-bin) is needed to drop it"
         prefix = ["capsh", "--drop=cap_sys_nice", "--", "-c", 'exec "$0" "$@"']
-    assert run(prefix) == ["False", "True", "True"]
+    assert run(prefix) == ["False", "True", "True", "True"]
 
 
 def test_this_process_can_undo_idle_as_root() -> None:
