@@ -182,4 +182,22 @@ def test_entry_point_plans(tmp_path: Path) -> None:
     assert argv[4:] == ["m", "--host", "1.2.3.4"] and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "p"
     argv, _ = container.plan(["check", "--model", "m"], {}, CONTAINER_IP)
     assert argv[3:] == ["check", "--model", "m"]
+    assert "--no-enable-prefix-caching" not in argv  # not a Mamba model
+
+
+def test_entry_point_sets_what_mamba_pd_needs(tmp_path: Path) -> None:
+    """A Mamba model in the container gets the DS conv layout and, on vLLM's CPU build,
+    prefix caching off, unless the operator chose otherwise (the engine then refuses at
+    start-up by name: test_pd_mamba)."""
+    (tmp_path / "config.json").write_text('{"model_type": "nemotron_h"}')
+    for args in (["--model", str(tmp_path)], ["serve", str(tmp_path)]):
+        argv, env = container.plan(args, {}, CONTAINER_IP)
+        assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+        assert argv.count("--no-enable-prefix-caching") == 1, argv
+    argv, env = container.plan(
+        ["--model", str(tmp_path), "--enable-prefix-caching"],
+        {"VLLM_SSM_CONV_STATE_LAYOUT": "SD"},
+        CONTAINER_IP,
+    )
+    assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD" and "--no-enable-prefix-caching" not in argv
     assert container.image_problems() == []  # this environment could serve

