@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 
 
@@ -205,6 +206,8 @@ def _add_router_settings(parser: argparse.ArgumentParser) -> None:
         help_text = f"{info.description or name.replace('_', ' ')} (default: {info.default})"
         if info.annotation is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif typing.get_origin(info.annotation) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(info.annotation), help=help_text)
         else:
             parser.add_argument(flag, type=info.annotation, help=help_text)
 

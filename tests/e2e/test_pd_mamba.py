@@ -106,7 +106,8 @@ def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
     pair: PdPair, tmp_path: Path
 ) -> None:
     """A decode engine whose SSM state is bf16 would read the prefill's float32 state as
-    garbage: its handshake refuses, naming the state field. It takes the place of the
+    garbage: its handshake refuses, naming the state field, and the router never pairs the
+    two (503, the field in /health). It takes the place of the
     pair's decode engine (the tests after this one need none)."""
     pair.decode.stop()
     spec = dataclasses.replace(
@@ -130,6 +131,27 @@ def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
         assert answer.status_code >= 400
         log = decode.log_text()
         assert "KV-cache" in log and ".state:" in log and "mamba-ssm-cache-dtype" in log
+        # The router reads both fingerprints and never pairs them.
+        pool = BackendPool.from_urls(
+            [pair.prefill.spec.url],
+            [spec.url],
+            [pair.prefill.spec.side_channel],
+            [spec.side_channel],
+        )
+        router = RouterServer(pool, "127.0.0.1", free_port()).start()
+        try:
+            problems: list = []
+            deadline = time.monotonic() + 60
+            while not problems and time.monotonic() < deadline:
+                problems = httpx.get(f"{router.url}/health", timeout=30).json()["pairing_problems"]
+                time.sleep(0.5)
+            assert problems and ".state" in str(problems), problems
+            refused = httpx.post(
+                f"{router.url}/v1/completions", json=body(pair.model, PROMPTS[0]), timeout=60
+            )
+            assert refused.status_code == 503, refused.text
+        finally:
+            router.stop()
     finally:
         decode.stop()
 

@@ -396,6 +396,73 @@ def killed_engines() -> list[tuple[str, int, float]]:
     return []
 
 
+def metric_value(deployment: PDDeployment, name: str, **labels: str) -> float:
+    """One sample of the router's /metrics (0 when it is not there yet)."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    for line in httpx.get(f"{deployment.router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_stalled_prefill_engine_gets_fewer_new_legs(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    """The default policy (least legs in flight): prefill-0 is stopped (SIGSTOP of its process
+    group) while two clients send requests one after the other. A leg stuck on it keeps its
+    in-flight count up, so new legs go to prefill-1; strict rotation would have sent every
+    other leg to the stopped engine and stalled both clients. The router's metrics show the
+    decisions. Then it continues, the stuck leg completes, and every answer is right."""
+    import threading
+
+    bodies = [b for b in load_bodies(str(tiny_hybrid_model)) if not b["stream"]][:12]
+    bodies = [{**b, "max_tokens": 4} for b in bodies]
+    expected = expected_texts(deployment, bodies)
+    url = f"{deployment.router_url}/v1/completions"
+    urls = {e.name: e.info["url"] for e in deployment.engines}
+    stalled, other = urls["prefill-0"], urls["prefill-1"]
+    chosen_by_load = {"role": "prefill", "reason": "least_in_flight", "engine": other}
+    before = metric_value(deployment, "router_policy_choices_total", **chosen_by_load)
+    answers: dict[int, tuple[int, str]] = {}
+
+    def client(indexes: range) -> None:
+        with httpx.Client(timeout=600.0, headers=ROUTER) as http:
+            for i in indexes:
+                response = http.post(url, json=bodies[i])
+                text = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+                answers[i] = (response.status_code, text or response.text)
+
+    pid = engine_pid(deployment, "prefill-0")
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        clients = [threading.Thread(target=client, args=(r,)) for r in (range(6), range(6, 12))]
+        for thread in clients:
+            thread.start()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+            all(i in answers for i in r) for r in (range(6), range(6, 12))
+        ):
+            time.sleep(0.2)  # until one client got all six answers past the stopped engine
+        stuck = metric_value(deployment, "router_engine_in_flight_legs", engine=stalled)
+        by_load = metric_value(deployment, "router_policy_choices_total", **chosen_by_load)
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    for thread in clients:
+        thread.join(timeout=600)
+    assert stuck <= 1, stuck  # legs the stopped engine held while six others were served
+    assert by_load - before >= 1  # prefill-1 chosen over a candidate with more legs in flight
+    assert len(answers) == 12
+    for i, body in enumerate(bodies):
+        assert answers[i] == (200, expected[(body["prompt"], body["max_tokens"])]), answers[i]
+    deadline = time.monotonic() + 120  # back in rotation before the fault tests
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()
+        if all(e["up"] for e in health["engines"]):
+            break
+        time.sleep(1)
+    assert all(e["up"] for e in health["engines"]), health
+
+
 def test_killed_prefill_engine_loses_no_request(
     deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
 ) -> None:

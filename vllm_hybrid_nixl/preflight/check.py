@@ -96,7 +96,12 @@ def side_report(role: str, args: list[str], engine_args: Any | None = None) -> S
             raise CheckInputError(
                 f"{role}: vLLM could not build a config from these arguments: {exc}"
             ) from exc
-        fingerprint = _fingerprint_of(setup, mode)
+        try:
+            fingerprint = _fingerprint_of(setup, mode)
+        except ValueError as exc:  # e.g. no kernel block size fits every attention backend
+            raise CheckInputError(
+                f"{role}: vLLM would not start an engine with these arguments: {exc}"
+            ) from exc
         try:
             refuse_unservable_mamba(setup.vllm_config, setup.kv_cache_config)
         except UnservableMambaConfigError as exc:

@@ -1,4 +1,4 @@
-"""The engines behind the router and the policy that picks one per leg (round-robin)."""
+"""The engines behind the router, in rotation order (``policy.py`` chooses among them)."""
 
 from __future__ import annotations
 
@@ -101,18 +101,23 @@ class BackendPool:
         role: str,
         usable: Callable[[Backend], bool],
         exclude: Collection[Backend] = (),
+        choose: Callable[[list[Backend]], Backend] | None = None,
     ) -> Backend | None:
-        """The next engine of ``role`` in round-robin order that is not in ``exclude`` and
-        for which ``usable`` holds; None when there is none."""
+        """An engine of ``role`` not in ``exclude`` for which ``usable`` holds (None when there
+        is none): ``choose`` picks among them, given in round-robin order (without it, the
+        first: plain rotation)."""
         engines = self.prefill if role == "prefill" else self.decode
         with self._lock:
             start = self._turn.get(role, 0)
             self._turn[role] = start + 1
-        for offset in range(len(engines)):
-            backend = engines[(start + offset) % len(engines)]
-            if backend not in exclude and usable(backend):
-                return backend
-        return None
+        candidates = [
+            backend
+            for backend in (engines[(start + i) % len(engines)] for i in range(len(engines)))
+            if backend not in exclude and usable(backend)
+        ]
+        if not candidates:
+            return None
+        return choose(candidates) if choose is not None else candidates[0]
 
     def all(self) -> list[Backend]:
         return [*self.prefill, *self.decode]

@@ -128,6 +128,11 @@ class HealthTracker:
                 self._set(health, EngineState.HALF_OPEN)
                 health.trial_at = now
 
+    def in_flight(self, backend: Backend) -> int:
+        """Legs the router has in flight on ``backend`` now."""
+        with self._lock:
+            return self._engines[backend.url].in_flight
+
     def leg_ended(self, backend: Backend) -> None:
         with self._lock:
             self._engines[backend.url].in_flight -= 1

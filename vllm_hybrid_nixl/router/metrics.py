@@ -48,6 +48,12 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.policy_choices = Counter(
+            "router_policy_choices_total",
+            "Legs placed by the routing policy, by why the engine was chosen",
+            ["role", "reason", "engine"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "router_retries",
             "Legs sent again elsewhere (prefill, decode) and whole requests run again (request)",

@@ -30,6 +30,7 @@ from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatibleP
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.policy import choose, prefix_key
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
@@ -301,11 +302,19 @@ class Disaggregator:
         usable: Callable[[Backend], bool],
         exclude: list[Backend],
         avoid: Sequence[Backend],
+        key: bytes | None = None,
     ) -> Backend | None:
-        """The next usable engine of ``role`` not in ``exclude``, one not in ``avoid`` (the
-        engines a re-run moves away from) when there is one."""
-        return self.pool.pick(role, usable, [*exclude, *avoid]) or self.pool.pick(
-            role, usable, exclude
+        """A usable engine of ``role`` not in ``exclude`` chosen by the role's policy, one
+        not in ``avoid`` (the engines a re-run moves away from) when there is one."""
+        policy = self.settings.prefill_policy if role == "prefill" else self.settings.decode_policy
+
+        def by_policy(candidates: list[Backend]) -> Backend:
+            backend, reason = choose(candidates, policy, self.health.in_flight, key)
+            self.metrics.policy_choices.labels(role, reason, backend.url).inc()
+            return backend
+
+        return self.pool.pick(role, usable, [*exclude, *avoid], by_policy) or self.pool.pick(
+            role, usable, exclude, by_policy
         )
 
     def _pairable(self, prefill: Backend) -> bool:
@@ -327,13 +336,15 @@ class Disaggregator:
         """Run the prefill leg; returns the engine and its ``kv_transfer_params``."""
         self._refuse_if_nothing_pairs()
         tried: list[LegError] = []
+        affinity = self.settings.prefill_policy == "prefix_affinity"
+        affinity_key = prefix_key(body) if affinity else None
 
         def usable(p: Backend) -> bool:
             return self._pairable(p) and self.health.usable(p)
 
         for _ in range(self.settings.prefill_attempts):
             exclude = [e.backend for e in tried]
-            prefill = self._pick("prefill", usable, exclude, avoid)
+            prefill = self._pick("prefill", usable, exclude, avoid, affinity_key)
             if prefill is None:
                 break
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +49,14 @@ class RouterSettings(BaseModel):
     )
     open_cooldown_s: float = Field(
         10.0, gt=0, description="how long a breaker stays open before one trial leg"
+    )
+    prefill_policy: Literal["least_in_flight", "round_robin", "prefix_affinity"] = Field(
+        "least_in_flight",
+        description="which prefill engine gets a leg: fewest legs in flight, strict rotation, "
+        "or the same prompt prefix to the same engine (prefix-cache hits)",
+    )
+    decode_policy: Literal["least_in_flight", "round_robin"] = Field(
+        "least_in_flight", description="which decode engine gets a leg"
     )
     prefill_attempts: int = Field(3, ge=1, description="prefill engines tried for one request")
     decode_attempts: int = Field(
