@@ -43,7 +43,8 @@ setup(
             "hf_transfer",
         ],
         # The benchmark suite's plot (bench/results/latest.png).
-        "bench": ["matplotlib>=3.8"],
+        # The plot, and vllm-router: the peer the router benchmark runs side by side.
+        "bench": ["matplotlib>=3.8", "vllm-router>=0.1.17"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
