@@ -5,7 +5,13 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 # `vllm-hybrid-nixl router` and the P/D client.
-ROUTER = ["httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "pydantic>=2.6"]
+ROUTER = [
+    "httpx>=0.27",
+    "fastapi>=0.110",
+    "uvicorn>=0.29",
+    "prometheus_client>=0.20",
+    "pydantic>=2.6",
+]
 
 setup(
     name="vllm-hybrid-nixl",
@@ -42,8 +48,8 @@ setup(
             "typer",
             "hf_transfer",
         ],
-        # The benchmark suite's plot (bench/results/latest.png).
-        # The plot, and vllm-router: the peer the router benchmark runs side by side.
+        # The benchmark suite's plot (bench/results/latest.png), and vllm-router: the peer
+        # the router benchmark runs side by side.
         "bench": ["matplotlib>=3.8", "vllm-router>=0.1.17"],
         "test": [
             "pytest>=8",
