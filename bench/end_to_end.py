@@ -184,9 +184,11 @@ def count_tokens(url: str, model: str, prompt: str) -> int:
     return int(response.json()["count"])
 
 
-def start_stack(model: str, log_dir: Path, kv_extra_config: dict | None = None):
+def start_stack(
+    model: str, log_dir: Path, kv_extra_config: dict | None = None, with_router_pid: bool = False
+):
     """Prefill and decode engines (a core each) and the router process; returns
-    (urls, stop)."""
+    (urls, stop), and the router's PID after them when asked."""
     from vllm_hybrid_nixl.common.netutil import free_port
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 
@@ -238,7 +240,7 @@ def start_stack(model: str, log_dir: Path, kv_extra_config: dict | None = None):
         for engine in engines:
             engine.stop()
 
-    return urls, stop
+    return (urls, stop, router.pid) if with_router_pid else (urls, stop)
 
 
 def run(

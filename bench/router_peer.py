@@ -1,0 +1,210 @@
+"""Our router against vllm-router (the Rust P/D router, PyPI ``vllm-router``) and the decode
+engine alone, in front of the same two engines, measured by vLLM's own load generator.
+
+One prefill and one decode ``vllm serve`` (tiny hybrid model, HybridNixlConnector, a core
+each); our router as its own process (``vllm-hybrid-nixl router``) and ``vllm-router
+--vllm-pd-disaggregation``, both pointing at them. ``vllm bench serve`` (random prompts,
+``--ignore-eos``) runs against each target in turn, for each concurrency, round after round,
+with the order of targets rotated every round, so machine noise hits all alike. Each router
+process's CPU seconds (user + system, the kernel's per-process accounting over all its
+threads) are read before and after each run: CPU seconds per request.
+
+Headline (worse of concurrency 8 and 32, medians over rounds): ``router_vs_vllm_router_
+throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``.
+
+    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 2] [--prompts 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.end_to_end import RESULTS, start_stack
+
+TARGETS = ("ours", "vllm_router", "decode_alone")
+HEADLINE_CONCURRENCY = (8, 32)
+
+
+def start_vllm_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen, str]:
+    from vllm_hybrid_nixl.common.netutil import free_port
+
+    port, metrics_port = free_port(), free_port()
+    binary = str(Path(sys.executable).with_name("vllm-router"))
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [
+                binary, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            ],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"vllm-router did not come up; see {log}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (from /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_serve(url: str, model: str, concurrency: int, prompts: int, out: Path) -> dict:
+    """One ``vllm bench serve`` run; its saved result."""
+    name = f"run-{time.monotonic_ns()}.json"
+    command = [
+        sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "bench", "serve",
+        "--backend", "openai", "--base-url", url, "--model", model, "--tokenizer", model,
+        "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(out),
+        "--result-filename", name, "--percentile-metrics", "ttft,itl,e2el",
+        "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return json.loads((out / name).read_text())
+
+
+def measure(
+    urls: dict[str, str],
+    pids: dict[str, int],
+    model: str,
+    concurrency: list[int],
+    rounds: int,
+    prompts: int,
+    out: Path,
+) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    for round_index in range(rounds):
+        for c in concurrency:
+            shift = round_index % len(TARGETS)
+            for target in TARGETS[shift:] + TARGETS[:shift]:
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                result = bench_serve(urls[target], model, c, prompts, out)
+                spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                runs.append(
+                    {
+                        "round": round_index,
+                        "target": target,
+                        "concurrency": c,
+                        "completed": result["completed"],
+                        "output_tokens_per_s": result["output_throughput"],
+                        "ttft_p50_ms": result["median_ttft_ms"],
+                        "ttft_p99_ms": result["p99_ttft_ms"],
+                        "e2el_p50_ms": result["median_e2el_ms"],
+                        "router_cpu_s_per_request": (
+                            spent[target] / max(result["completed"], 1) if target in spent else None
+                        ),
+                    }
+                )
+                print(
+                    f"  round {round_index + 1}, c={c}, {target}: "
+                    f"{result['output_throughput']:.0f} tok/s, "
+                    f"TTFT p99 {result['p99_ttft_ms']:.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds per (target, concurrency), and the headline ratios."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for run in runs:
+        table.setdefault(str(run["concurrency"]), {}).setdefault(run["target"], {})
+    for c, targets in table.items():
+        for target in targets:
+            mine = [r for r in runs if str(r["concurrency"]) == c and r["target"] == target]
+            row = {
+                key: statistics.median(r[key] for r in mine)
+                for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2el_p50_ms")
+            }
+            cpu = [r["router_cpu_s_per_request"] for r in mine if r["router_cpu_s_per_request"]]
+            if cpu:
+                row["router_cpu_ms_per_request"] = statistics.median(cpu) * 1e3
+            targets[target] = row
+    headline: dict[str, float] = {}
+    both = [str(c) for c in HEADLINE_CONCURRENCY if str(c) in table]
+    if both:
+        headline["router_vs_vllm_router_throughput"] = min(
+            table[c]["ours"]["output_tokens_per_s"] / table[c]["vllm_router"]["output_tokens_per_s"]
+            for c in both
+        )
+        headline["router_vs_vllm_router_p99_ttft"] = max(
+            table[c]["ours"]["ttft_p99_ms"] / table[c]["vllm_router"]["ttft_p99_ms"] for c in both
+        )
+    return {"by_concurrency": table, "headline": headline}
+
+
+def run(concurrency: list[int], rounds: int, prompts: int) -> dict[str, Any]:
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = str(build_tiny_model(work / "model", TinyModelSpec()))
+        urls, stop, router_pid = start_stack(model, work, with_router_pid=True)
+        peer = None
+        try:
+            peer, peer_url = start_vllm_router(urls["prefill"], urls["decode"], work / "vr.log")
+            targets = {"ours": urls["router"], "vllm_router": peer_url}
+            targets["decode_alone"] = urls["decode"]
+            pids = {"ours": router_pid, "vllm_router": peer.pid}
+            bench_serve(targets["ours"], model, 1, 4, work)  # warm-up: the first NIXL handshake
+            runs = measure(targets, pids, model, concurrency, rounds, prompts, work)
+        finally:
+            if peer is not None:
+                peer.terminate()
+                peer.wait(timeout=20)
+            stop()
+    return {"prompts": prompts, "rounds": rounds, "runs": runs, **summarize(runs)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=48)
+    args = parser.parse_args()
+    result = run(args.concurrency, args.rounds, args.prompts)
+    print(
+        f"{'conc':>4} {'target':>13} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'CPU ms/req':>10}"
+    )
+    for c, targets in result["by_concurrency"].items():
+        for target, row in targets.items():
+            cpu = row.get("router_cpu_ms_per_request")
+            print(
+                f"{c:>4} {target:>13} {row['output_tokens_per_s']:>7.0f} "
+                f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms "
+                f"{'' if cpu is None else f'{cpu:.1f}':>10}"
+            )
+    print(json.dumps(result["headline"]))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "router_peer.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
