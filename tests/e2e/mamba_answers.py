@@ -14,6 +14,13 @@ with every logprob before it within ``CLOSE``.
 
 from __future__ import annotations
 
+#: Prompts of 8 to ~190 tokens: shorter and longer than one 64-token block.
+PROMPTS = [
+    "The lighthouse keeper wrote in the log that " * 6,
+    "a mamba layer keeps one state per request " * 9,
+    "short prompt",
+    "the ships came in from the west and the harbour master counted them " * 4,
+]
 NEAR_TIE = 0.03  # nats between the colocated run's top two candidates
 CLOSE = 0.03  # nats between P/D and colocated logprobs of the same token (measured: < 0.01)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
+from tests.harness.releases import STOCK_REFUSAL
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
@@ -110,3 +113,31 @@ def colocated_texts(
                 answer = client.post(f"{engine_url}/v1/completions", json=plain)
                 expected[key] = answer.json()["choices"][0]["text"]
     return expected
+
+
+def assert_stock_refuses_at_start_up(model: Path, log: Path, env: dict[str, str]) -> None:
+    """vLLM 0.24-0.25: the stock connector's engine dies in registration (its strict
+    block-count check cannot take vLLM's CPU cache). vLLM's API server may linger, so the
+    log (and the process) is watched rather than an exit awaited."""
+    spec = EngineSpec(
+        model=str(model),
+        port=free_port(),
+        role="prefill",
+        side_channel_port=free_port(),
+        cpu_core=1,
+        connector="NixlConnector",
+        env=dict(env),
+        extra_args=list(COMMON_ARGS),
+    )
+    engine = EngineProcess(spec, log).start()
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if STOCK_REFUSAL in engine.log_text() or not engine.alive():
+                break
+            time.sleep(2)
+        assert STOCK_REFUSAL in engine.log_text()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{spec.url}/health", timeout=5).raise_for_status()
+    finally:
+        engine.stop()

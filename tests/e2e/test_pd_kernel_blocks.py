@@ -13,15 +13,19 @@ colocated reference; see README "Hybrid kinds".)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
+from tests.e2e.pd_fixture import (
+    WORKER_LINE,
+    PdPair,
+    assert_stock_refuses_at_start_up,
+    run_pd_and_colocated,
+    start_pair,
+)
 from tests.harness.kernel_block_hook import HOOK_LINE, engine_env
-from tests.harness.releases import STOCK_REFUSAL, stock_is_strict
+from tests.harness.releases import stock_is_strict
 
 pytestmark = pytest.mark.e2e
 
@@ -59,31 +63,9 @@ def test_the_stock_connector_with_r_2(tiny_hybrid_model, tmp_path_factory) -> No
     our pair is up: four engines on two cores start very slowly."""
     log_dir = tmp_path_factory.mktemp("r2-stock")
     if stock_is_strict():
-        from vllm_hybrid_nixl.common.netutil import free_port
-        from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
-
-        spec = EngineSpec(
-            model=str(tiny_hybrid_model),
-            port=free_port(),
-            role="prefill",
-            side_channel_port=free_port(),
-            cpu_core=1,
-            connector="NixlConnector",
-            env=engine_env(KERNEL_BLOCK),
-            extra_args=["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"],
+        assert_stock_refuses_at_start_up(
+            tiny_hybrid_model, log_dir / "stock.log", engine_env(KERNEL_BLOCK)
         )
-        engine = EngineProcess(spec, log_dir / "stock.log").start()
-        try:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if STOCK_REFUSAL in engine.log_text() or not engine.alive():
-                    break
-                time.sleep(2)
-            assert STOCK_REFUSAL in engine.log_text()
-            with pytest.raises(httpx.HTTPError):
-                httpx.get(f"{spec.url}/health", timeout=5).raise_for_status()
-        finally:
-            engine.stop()
         return
     stock = pair_with("NixlConnector", tiny_hybrid_model, log_dir)
     pair = next(stock)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e.lease_scenario import expected_texts, late_legs
-from tests.e2e.mamba_answers import assert_same_answer, body
+from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
@@ -28,13 +28,6 @@ from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
-
-PROMPTS = [
-    "The lighthouse keeper wrote in the log that " * 6,
-    "a mamba layer keeps one state per request " * 9,
-    "short prompt",
-    "the ships came in from the west and the harbour master counted them " * 4,
-]
 
 
 @pytest.fixture(scope="module")

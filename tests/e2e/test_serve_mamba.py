@@ -18,19 +18,12 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.mamba_answers import assert_same_answer, body
+from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
 from tests.e2e.pd_fixture import engine_posts
 from tests.e2e.test_cli_serve import alive, engine_pids, kill_session, start, wait_session_empty
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 
 pytestmark = pytest.mark.e2e
-
-PROMPTS = [
-    "The lighthouse keeper wrote in the log that " * 6,
-    "a mamba layer keeps one state per request " * 9,
-    "short prompt",
-    "the ships came in from the west and the harbour master counted them " * 4,
-]
 
 
 @dataclass
