@@ -61,11 +61,11 @@ def expected_texts(engine_url: str, model: str) -> dict[str, str]:
         }
 
 
-def prefill_legs(prefill_url: str, model: str) -> dict[str, dict]:
+def prefill_legs(prefill_url: str, model: str, prompts: list[str] | None = None) -> dict[str, dict]:
     """The prefill leg of every prompt; its ``kv_transfer_params`` by prompt."""
     saved = {}
     with httpx.Client(timeout=120) as client:
-        for prompt in PROMPTS:
+        for prompt in PROMPTS if prompts is None else prompts:
             answer = client.post(
                 f"{prefill_url}/v1/completions", json=prefill_body(body(model, prompt))
             )
