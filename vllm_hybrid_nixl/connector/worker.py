@@ -28,7 +28,7 @@ from vllm_hybrid_nixl.protocol.fingerprint import (
     mismatch_message,
     stock_peer_message,
 )
-from vllm_hybrid_nixl.protocol.handshake_probe import fetch_compat_string
+from vllm_hybrid_nixl.protocol.handshake_probe import ProbeError, fetch_compat_string
 from vllm_hybrid_nixl.protocol.layout import (
     MAMBA_KIND,
     HybridLayoutError,
@@ -40,6 +40,11 @@ from vllm_hybrid_nixl.protocol.layout import (
 
 # A child of the "vllm" logger, so vLLM's log handlers and level apply in every process.
 logger = logging.getLogger("vllm.hybrid_nixl.worker")
+
+#: Reads of the peer's side channel before a handshake gives up (5 s each). A first handshake
+#: between engines busy on shared cores can miss one read's deadline; this runs in vLLM's
+#: handshake thread, so waiting longer stalls no engine step, and a refused request costs more.
+PEER_PROBE_ATTEMPTS = 3
 
 _NIXL = compat.nixl_classes()
 
@@ -341,7 +346,7 @@ class HybridRegistrationMixin:
             else ("prefill", "decode")
         )
         where = f"{engine_id} ({host}:{port})"
-        wire = fetch_compat_string(host, port, with_pp_rank=compat.side_channel_wants_pp_rank())
+        wire = self._read_peer_compat_string(host, port, where)
         verdict = compare_with_peer(self.layout_fingerprint, wire)
         error: RuntimeError | None = None
         if verdict.stock_peer:
@@ -364,6 +369,22 @@ class HybridRegistrationMixin:
         if error is not None:
             logger.error("%s", error)
             raise error
+
+    @staticmethod
+    def _read_peer_compat_string(host: str, port: int, where: str) -> str:
+        with_pp_rank = compat.side_channel_wants_pp_rank()
+        for attempt in range(1, PEER_PROBE_ATTEMPTS):
+            try:
+                return fetch_compat_string(host, port, with_pp_rank=with_pp_rank)
+            except ProbeError as exc:
+                logger.warning(
+                    "vllm-hybrid-nixl: peer %s: %s; asking again (%d of %d)",
+                    where,
+                    exc,
+                    attempt + 1,
+                    PEER_PROBE_ATTEMPTS,
+                )
+        return fetch_compat_string(host, port, with_pp_rank=with_pp_rank)
 
 
 class HybridNixlPullWorker(LeaseReaderMixin, HybridRegistrationMixin, _NIXL.pull_worker):
