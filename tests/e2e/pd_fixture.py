@@ -115,20 +115,25 @@ def colocated_texts(
     return expected
 
 
-def assert_stock_refuses_at_start_up(model: Path, log: Path, env: dict[str, str]) -> None:
-    """vLLM 0.24-0.25: the stock connector's engine dies in registration (its strict
-    block-count check cannot take vLLM's CPU cache). vLLM's API server may linger, so the
-    log (and the process) is watched rather than an exit awaited."""
-    spec = EngineSpec(
+def stock_engine_spec(model: Path, env: dict[str, str] | None = None) -> EngineSpec:
+    """One engine with vLLM's stock NixlConnector, on the second core."""
+    return EngineSpec(
         model=str(model),
         port=free_port(),
         role="prefill",
         side_channel_port=free_port(),
         cpu_core=1,
         connector="NixlConnector",
-        env=dict(env),
+        env=dict(env or {}),
         extra_args=list(COMMON_ARGS),
     )
+
+
+def assert_stock_refuses_at_start_up(model: Path, log: Path, env: dict[str, str]) -> None:
+    """vLLM 0.24-0.25: the stock connector's engine dies in registration (its strict
+    block-count check cannot take vLLM's CPU cache). vLLM's API server may linger, so the
+    log (and the process) is watched rather than an exit awaited."""
+    spec = stock_engine_spec(model, env)
     engine = EngineProcess(spec, log).start()
     try:
         deadline = time.monotonic() + 600

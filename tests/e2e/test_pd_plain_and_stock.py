@@ -20,10 +20,10 @@ from tests.e2e.pd_fixture import (
     assert_stock_refuses_at_start_up,
     run_pd_and_colocated,
     start_pair,
+    stock_engine_spec,
 )
 from tests.harness.releases import stock_is_strict
-from vllm_hybrid_nixl.common.netutil import free_port
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -42,15 +42,7 @@ def test_stock_connector_on_the_same_model(plain_model: Path, tmp_path: Path) ->
     if stock_is_strict():
         assert_stock_refuses_at_start_up(plain_model, tmp_path / "stock.log", {})
         return
-    spec = EngineSpec(
-        model=str(plain_model),
-        port=free_port(),
-        role="prefill",
-        side_channel_port=free_port(),
-        cpu_core=1,
-        connector="NixlConnector",
-        extra_args=["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"],
-    )
+    spec = stock_engine_spec(plain_model)
     engine = EngineProcess(spec, tmp_path / "stock.log").start()
     try:
         engine.wait_healthy(timeout_s=600)

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 
 from vllm_hybrid_nixl.connector.compat import installed_vllm
-from vllm_hybrid_nixl.protocol.model_facts import keeps_mamba_state
-
-CONV_LAYOUT_VARIABLE = "VLLM_SSM_CONV_STATE_LAYOUT"
+from vllm_hybrid_nixl.protocol.model_facts import (
+    CONV_LAYOUT_VARIABLE,
+    NIXL_CONV_LAYOUT,
+    keeps_mamba_state,
+)
 
 
 def mamba_engine_args(model: str, engine_args: list[str]) -> list[str]:
@@ -25,7 +27,7 @@ def mamba_engine_args(model: str, engine_args: list[str]) -> list[str]:
 def set_mamba_environment(model: str, env: MutableMapping[str, str]) -> None:
     """vLLM's NIXL worker moves Mamba conv state only in the DS layout."""
     if keeps_mamba_state(model):
-        env.setdefault(CONV_LAYOUT_VARIABLE, "DS")
+        env.setdefault(CONV_LAYOUT_VARIABLE, NIXL_CONV_LAYOUT)
 
 
 def model_in_serve_args(engine_args: list[str]) -> str | None:

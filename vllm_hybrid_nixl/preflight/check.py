@@ -23,6 +23,7 @@ from vllm_hybrid_nixl.protocol.fingerprint import (
     describe_differences,
     differences,
 )
+from vllm_hybrid_nixl.protocol.model_facts import CONV_LAYOUT_VARIABLE, NIXL_CONV_LAYOUT
 
 PUSH_CONNECTORS = {"HybridNixlPushConnector", "NixlPushConnector"}
 STOCK_CONNECTORS = {"NixlConnector", "NixlPullConnector", "NixlPushConnector"}
@@ -153,7 +154,7 @@ def _warnings(
             "HybridNixlConnector peer refuses it; use HybridNixlConnector"
         )
     if any(g.kind == "mamba" for g in fingerprint.groups) and (
-        os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") != "DS"
+        os.environ.get(CONV_LAYOUT_VARIABLE) != NIXL_CONV_LAYOUT
     ):
         warnings.append(
             f"{role}: a Mamba model needs VLLM_SSM_CONV_STATE_LAYOUT=DS for NIXL transfer "

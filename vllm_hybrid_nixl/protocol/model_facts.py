@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+#: The variable that sets vLLM's Mamba conv-state layout, and the one layout vLLM's NIXL
+#: worker can move.
+CONV_LAYOUT_VARIABLE = "VLLM_SSM_CONV_STATE_LAYOUT"
+NIXL_CONV_LAYOUT = "DS"
+
 #: ``model_type`` values of hybrids whose layers keep Mamba / linear-attention state.
 MAMBA_MODEL_TYPES = {
     "nemotron_h",
