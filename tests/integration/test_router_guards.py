@@ -266,3 +266,15 @@ def test_the_router_command_refuses_an_open_bind_before_serving() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--allow-unauthenticated-remote" in done.stderr
+
+
+def test_a_router_on_a_taken_port_fails_at_start_naming_the_address() -> None:
+    """The router binds before it serves: a port someone else holds is an error naming the
+    address, raised by ``start()`` (not a router thread that dies unseen)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        router = RouterServer(BackendPool.from_urls([nowhere()], [nowhere()]), port=port)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            router.start()

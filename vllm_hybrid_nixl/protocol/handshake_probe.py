@@ -73,6 +73,8 @@ def fetch_compat_string(
             f"NIXL side channel {where} did not answer within {timeout_s:.0f} s; is the engine "
             "up, and are VLLM_NIXL_SIDE_CHANNEL_HOST/PORT the values given here?"
         ) from exc
+    except zmq.ZMQError as exc:
+        raise ProbeError(f"NIXL side channel {where} could not be asked: {exc}") from exc
     finally:
         socket.close()
     try:

@@ -5,6 +5,7 @@ pool per engine for the legs and one for probes and model lists."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 
@@ -26,6 +27,8 @@ from vllm_hybrid_nixl.router.proxy import Disaggregator
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
 __all__ = ["RouterKeys", "RouterSettings", "build_app"]
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(
@@ -112,7 +115,10 @@ def lifespan(
             proxy.leg_clients = {
                 b.url: await clients.enter_async_context(new_client()) for b in proxy.pool.all()
             }
-            await probes.probe_all(client)
+            try:
+                await probes.probe_all(client)
+            except Exception:  # the router still opens; the next round probes again
+                logger.exception("the first probe round failed; engines not yet seen healthy")
             watchers = [
                 asyncio.create_task(probes.probe_forever(client)),
                 asyncio.create_task(watch_loop_lag(metrics.loop_lag)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +50,21 @@ def uvicorn_config(
     )
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; raises OSError naming the address."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as exc:
+        listener.close()
+        message = f"the router cannot listen on {host}:{port}: {exc.strerror}"
+        raise OSError(exc.errno, message) from exc
+    listener.set_inheritable(True)
+    return listener
+
+
 class _RouterSetup:
     """What both ways of running the router take: engines, address (port 0 picks a free
     one), settings and keys."""
@@ -84,21 +100,39 @@ class RouterServer(_RouterSetup):
         config = uvicorn_config(self.pool, self.host, self.port, self.settings, self.keys)
         self.app = config.app
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="router", daemon=True)
+        self._thread: threading.Thread | None = None
 
-    def start(self, timeout_s: float = 30.0) -> RouterServer:
+    def start(self, timeout_s: float = 120.0) -> RouterServer:
+        """Binds the port first (so a port taken meanwhile fails here, by name), then serves
+        in the background; returns once the startup probes are done."""
         check_engine_access(self.pool.all(), self.keys, self.settings.health_timeout_s)
+        listener = bind_listener(self.host, self.port)
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                self._server.run(sockets=[listener])
+            except BaseException as exc:  # SystemExit included: uvicorn exits on bad startup
+                failure.append(exc)
+                raise
+
+        self._thread = threading.Thread(target=serve, name="router", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"router did not start on {self.url}")
+            if not self._thread.is_alive():
+                listener.close()
+                why = f": {failure[0]!r}" if failure else " (its startup failed; see the log)"
+                raise RuntimeError(f"router on {self.url} stopped before serving{why}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"router did not start on {self.url} within {timeout_s:.0f}s")
             time.sleep(0.05)
         return self
 
     def stop(self) -> None:
         self._server.should_exit = True
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=15)
 
 
