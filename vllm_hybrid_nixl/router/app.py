@@ -18,6 +18,7 @@ from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.completions import CompletionHandler
 from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.leg_http import LegClient
 from vllm_hybrid_nixl.router.loop_lag import watch_loop_lag
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.models import ServedModels
@@ -108,13 +109,9 @@ def lifespan(
     async def run(_: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as clients:
             client = await clients.enter_async_context(new_client())  # probes, model list
-            # One pool per engine for the legs: httpx's pool scans all of its connections
-            # for every request it places (28 % of the router's CPU under 64 concurrent
-            # requests with one shared pool, measured with py-spy).
             proxy.client = client
-            proxy.leg_clients = {
-                b.url: await clients.enter_async_context(new_client()) for b in proxy.pool.all()
-            }
+            proxy.legs = await LegClient(settings, keys.engine_headers()).open()
+            clients.push_async_callback(proxy.legs.aclose)
             try:
                 await probes.probe_all(client)
             except Exception:  # the router still opens; the next round probes again

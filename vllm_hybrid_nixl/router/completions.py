@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from vllm_hybrid_nixl.router.backends import NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.leg_http import LegTransportError
 from vllm_hybrid_nixl.router.limits import MAX_JSON_DEPTH, BodyRejected, nested_too_deep, read_body
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.models import ServedModels
@@ -94,9 +94,7 @@ class CompletionHandler:
         if not body.get("stream"):
             finish("ok")
             return Response(
-                answer.response.content,
-                status_code=200,
-                media_type=answer.response.headers.get("content-type", "application/json"),
+                answer.response.body, status_code=200, media_type=answer.response.content_type
             )
         return StreamingResponse(
             self.relay(answer, request_id, finish), media_type="text/event-stream"
@@ -167,21 +165,25 @@ class CompletionHandler:
             yield answer.first
             async for chunk in answer.rest:
                 yield chunk
-        except httpx.HTTPError as exc:
+        except LegTransportError as exc:
             outcome = "decode_stream_broken"
-            self.health.record_failure(answer.decode, f"stream broke: {exc!r}")
+            self.health.record_failure(answer.decode, f"stream broke: {exc.detail}")
             logger.warning(
-                "request %s: decode stream from %s broke: %r", request_id, answer.decode.url, exc
+                "request %s: decode stream from %s broke: %s",
+                request_id,
+                answer.decode.url,
+                exc.detail,
             )
+            cause = type(exc.__cause__ or exc).__name__
             yield stream_error_event(
                 f"decode leg failed on engine {answer.decode.label} while streaming: "
-                f"{type(exc).__name__}; the answer is incomplete (request id {request_id})"
+                f"{cause}; the answer is incomplete (request id {request_id})"
             )
         except asyncio.CancelledError:
             outcome = "client_disconnected"
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            await answer.response.aclose()  # closing the stream aborts it on the engine
+            answer.response.close()  # closing an unfinished stream aborts it on the engine
             self.proxy.leg_ended(answer.decode)
             finish(outcome)

@@ -39,10 +39,6 @@ class EngineProbes:
         self._layouts_read_at = time.monotonic()
 
     async def probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
-        # Through the engine's own leg pool: the probe also closes that pool's expired
-        # connections (httpx prunes a pool only when it is used), so idle engine
-        # connections go back to one per engine between bursts.
-        client = self.proxy.leg_clients.get(backend.url, client)
         try:
             response = await client.get(
                 f"{backend.url}/health", timeout=self.settings.health_timeout_s

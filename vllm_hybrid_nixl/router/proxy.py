@@ -28,15 +28,13 @@ from vllm_hybrid_nixl.protocol.lease_table import READ, LeaseState
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress, LeaseUnreachable, ask
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.leg_http import LegClient, LegResponse, LegTransportError
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.router.policy import choose, prefix_key
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
-
-# Errors raised before the request reached the engine: safe to send elsewhere.
-NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class LegError(Exception):
@@ -98,7 +96,7 @@ class NoEngineError(LookupError):
         self.leg = leg
 
 
-def upstream_error(response: httpx.Response) -> dict[str, Any]:
+def upstream_error(response: LegResponse) -> dict[str, Any]:
     """The engine's OpenAI-style error object (message, type, param), or {}."""
     try:
         payload = response.json()
@@ -112,7 +110,7 @@ def upstream_error(response: httpx.Response) -> dict[str, Any]:
     return {}
 
 
-def upstream_detail(response: httpx.Response) -> str:
+def upstream_detail(response: LegResponse) -> str:
     message = upstream_error(response).get("message")
     if message is None:
         try:
@@ -120,7 +118,7 @@ def upstream_detail(response: httpx.Response) -> str:
             message = payload.get("detail", payload) if isinstance(payload, dict) else payload
         except (json.JSONDecodeError, ValueError):
             message = response.text
-    return f"HTTP {response.status_code}: {str(message)[:500]}"
+    return f"HTTP {response.status}: {str(message)[:500]}"
 
 
 def client_status(upstream_status: int) -> int:
@@ -144,14 +142,14 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 class DecodeAnswer:
     prefill: Backend
     decode: Backend
-    response: httpx.Response  # 200; a stream still open when the client asked for one
+    response: LegResponse  # 200; a stream still open when the client asked for one
     first: bytes = b""  # streams: the first event, already read (nothing sent to the client)
     rest: AsyncIterator[bytes] | None = None  # streams: what follows it
 
 
-async def first_event(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+async def first_event(response: LegResponse) -> tuple[bytes, AsyncIterator[bytes]]:
     """Read a stream up to the end of its first server-sent event."""
-    chunks = response.aiter_raw()
+    chunks = response.chunks()
     buffered = b""
     while b"\n\n" not in buffered:
         try:
@@ -196,7 +194,8 @@ async def lease_was_released(params: dict[str, Any]) -> str:
 
 
 class Disaggregator:
-    """Runs requests over ``pool``; ``client`` is set by the app's lifespan."""
+    """Runs requests over ``pool``; ``client`` (probes, model lists) and ``legs`` are set
+    by the app's lifespan."""
 
     def __init__(
         self,
@@ -209,60 +208,37 @@ class Disaggregator:
         self.pool, self.pairing, self.health = pool, pairing, health
         self.metrics, self.settings = metrics, settings
         self.client: httpx.AsyncClient | None = None
-        self.leg_clients: dict[str, httpx.AsyncClient] = {}  # engine URL -> its own pool
+        self.legs: LegClient | None = None
 
     # ---- one leg -------------------------------------------------------------------
 
     async def send_leg(
         self, leg: str, backend: Backend, path: str, body: dict[str, Any], stream: bool
-    ) -> httpx.Response:
-        assert self.client is not None, "the router's lifespan sets the client"
-        client = self.leg_clients.get(backend.url, self.client)
+    ) -> LegResponse:
+        assert self.legs is not None, "the router's lifespan opens the leg client"
         settings = self.settings
-        timeout = httpx.Timeout(
-            settings.prefill_timeout_s if leg == "prefill" else settings.decode_read_timeout_s,
-            connect=settings.connect_timeout_s,
-        )
-        request = client.build_request("POST", f"{backend.url}{path}", json=body, timeout=timeout)
+        if leg == "prefill":
+            timeout = self.legs.timeout(settings.prefill_timeout_s, settings.prefill_timeout_s)
+        else:
+            timeout = self.legs.timeout(settings.decode_read_timeout_s)
         started = time.perf_counter()
         self.leg_started(backend)
         try:
-            response = await client.send(request, stream=stream)
-        except httpx.TimeoutException as exc:
-            raise self._failed(
-                LegError(
-                    leg,
-                    backend,
-                    504,
-                    f"timed out ({type(exc).__name__})",
-                    "timeout",
-                    delivered=not isinstance(exc, NOT_DELIVERED),
-                )
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise self._failed(
-                LegError(
-                    leg,
-                    backend,
-                    502,
-                    f"engine unreachable: {exc!r}",
-                    "unreachable",
-                    delivered=not isinstance(exc, NOT_DELIVERED),
-                )
-            ) from exc
+            response = await self.legs.post(f"{backend.url}{path}", body, stream, timeout)
+        except LegTransportError as exc:
+            status = 504 if exc.kind == "timeout" else 502
+            failure = LegError(leg, backend, status, exc.detail, exc.kind, exc.delivered)
+            raise self._failed(failure) from exc
         except BaseException:
             self.leg_ended(backend)
             raise
         self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
-        if response.status_code != 200:
-            if stream:
-                await response.aread()
-                await response.aclose()
-            kind = "client_error" if 400 <= response.status_code < 500 else "engine_error"
+        if response.status != 200:
+            kind = "client_error" if 400 <= response.status < 500 else "engine_error"
             error = LegError(
                 leg,
                 backend,
-                client_status(response.status_code),
+                client_status(response.status),
                 upstream_detail(response),
                 kind,
                 upstream=upstream_error(response),
@@ -405,25 +381,25 @@ class Disaggregator:
             return await self._checked_stream(prefill, decode, response)
 
     async def _checked_stream(
-        self, prefill: Backend, decode: Backend, response: httpx.Response
+        self, prefill: Backend, decode: Backend, response: LegResponse
     ) -> DecodeAnswer:
         """vLLM answers a stream with 200 before it has loaded the prompt's KV; a failed
         load then arrives as the first event. Read that event before the client gets a
         byte, so such a failure can still re-run the whole request."""
         try:
             first, rest = await first_event(response)
-        except httpx.HTTPError as exc:
-            await response.aclose()
+        except LegTransportError as exc:
+            response.close()
             raise self._failed(
-                LegError("decode", decode, 502, f"stream broke: {exc!r}", "unreachable")
+                LegError("decode", decode, 502, f"stream broke: {exc.detail}", "unreachable")
             ) from exc
         except BaseException:
-            await response.aclose()
+            response.close()
             self.leg_ended(decode)
             raise
         message = stream_error(first)
         if message is not None:
-            await response.aclose()
+            response.close()
             raise self._failed(
                 LegError(
                     "decode", decode, 502, f"first event was an error: {message}", "engine_error"
