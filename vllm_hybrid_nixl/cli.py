@@ -7,6 +7,10 @@ import sys
 import typing
 from pathlib import Path
 
+if typing.TYPE_CHECKING:
+    from vllm_hybrid_nixl.router.backends import BackendPool
+    from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
+
 
 def _cmd_version(_: argparse.Namespace) -> int:
     from vllm_hybrid_nixl import __version__
@@ -126,6 +130,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.router_kind:
+        router = config.router.model_copy(update={"kind": args.router_kind})
+        config = config.model_copy(update={"router": router})
     return serve_until_signalled(config)
 
 
@@ -191,10 +198,36 @@ def _cmd_router(args: argparse.Namespace) -> int:
         return 2
     if unreachable:
         print(f"warning: not reachable yet: {', '.join(unreachable)}", file=sys.stderr)
+    if settings.kind == "vllm-router":
+        return _run_vllm_router(pool, args.host, args.port, settings, keys)
     print(f"router: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     configure_router_logging()
     uvicorn.Server(uvicorn_config(pool, args.host, args.port, settings, keys)).run()
     return 0
+
+
+def _run_vllm_router(
+    pool: BackendPool, host: str, port: int, settings: RouterSettings, keys: RouterKeys
+) -> int:
+    """vllm-router in the foreground, after the layout-pairing check; Ctrl-C/SIGTERM stops it."""
+    import signal
+
+    from vllm_hybrid_nixl.router.vllm_router import VllmRouterError, VllmRouterProcess
+
+    router = VllmRouterProcess(pool, host, port, settings, keys)
+    try:
+        router.start()
+    except VllmRouterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"router: {router.url} (vllm-router, PID {router.pid})", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: router.stop())
+    try:
+        return router.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        router.stop()
 
 
 def _add_router_settings(parser: argparse.ArgumentParser) -> None:
@@ -202,14 +235,16 @@ def _add_router_settings(parser: argparse.ArgumentParser) -> None:
     from vllm_hybrid_nixl.router.settings import RouterSettings
 
     for name, info in RouterSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag = "--router-kind" if name == "kind" else "--" + name.replace("_", "-")
         help_text = f"{info.description or name.replace('_', ' ')} (default: {info.default})"
         if info.annotation is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
         elif typing.get_origin(info.annotation) is typing.Literal:
-            parser.add_argument(flag, choices=typing.get_args(info.annotation), help=help_text)
+            parser.add_argument(
+                flag, dest=name, choices=typing.get_args(info.annotation), help=help_text
+            )
         else:
-            parser.add_argument(flag, type=info.annotation, help=help_text)
+            parser.add_argument(flag, dest=name, type=info.annotation, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--connector", help="HybridNixlConnector (the default and only choice)")
     serve.add_argument("--router-host")
     serve.add_argument("--router-port", type=int)
+    serve.add_argument(
+        "--router-kind",
+        choices=["vllm-hybrid-nixl", "vllm-router"],
+        help="the data plane in front of the engines (default: vllm-hybrid-nixl; config: "
+        "router: {kind: ...})",
+    )
     serve.add_argument("--address", help="Ray cluster address (default: start a local one)")
     serve.add_argument("--log-dir", help="where engine logs go (default: a temporary folder)")
     serve.add_argument(

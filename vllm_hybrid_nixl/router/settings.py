@@ -26,6 +26,11 @@ class RouterSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: Literal["vllm-hybrid-nixl", "vllm-router"] = Field(
+        "vllm-hybrid-nixl",
+        description="the data plane: this package's router, or vllm-router (Rust; started "
+        "after the same layout-pairing check, without keys, lease re-runs or per-pair refusals)",
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="to open a connection to an engine")
     prefill_timeout_s: float = Field(300.0, gt=0, description="the whole prefill leg")
     decode_read_timeout_s: float = Field(

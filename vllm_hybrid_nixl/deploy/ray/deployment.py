@@ -24,6 +24,11 @@ from vllm_hybrid_nixl.router.settings import (
     RouterSettings,
     refuse_open_router,
 )
+from vllm_hybrid_nixl.router.vllm_router import (
+    VllmRouterProcess,
+    refuse_what_vllm_router_would_not_honour,
+    vllm_router_binary,
+)
 
 # Ray turns a node IP of exactly 127.0.0.1 into the machine's outward address; any other
 # loopback address is kept, so a local cluster binds 127.0.0.2 and all traffic stays on lo.
@@ -84,7 +89,7 @@ class PDDeployment:
         self.router_settings = router_settings or config.router
         self.keys = keys if keys is not None else RouterKeys.from_env()
         self.engines: list[EngineHandle] = []
-        self.router: RouterProcess | None = None
+        self.router: RouterProcess | VllmRouterProcess | None = None
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="vllm-hybrid-nixl-")
         self._started_ray = False
 
@@ -102,6 +107,9 @@ class PDDeployment:
 
     def start(self) -> PDDeployment:
         refuse_open_router(self.config.router_host, self.router_settings, self.keys)
+        if self.router_settings.kind == "vllm-router":  # before any engine starts
+            refuse_what_vllm_router_would_not_honour(self.keys)
+            vllm_router_binary()
         self._connect()
         self._check_resources()
         self._start_engines()
@@ -115,14 +123,16 @@ class PDDeployment:
         refuse_incompatible_pairs(pool)
         self._warm_up_pairs()
         ray.get([e.actor.supervise.remote() for e in self.engines], timeout=60)
-        self.router = RouterProcess(
-            pool,
-            self.config.router_host,
-            self.config.router_port,
-            self.router_settings,
-            self.keys,
-        ).start()
+        self.router = self._data_plane(pool).start()
         return self
+
+    def _data_plane(self, pool: BackendPool) -> RouterProcess | VllmRouterProcess:
+        """The router kind the settings name, over ``pool`` (layouts already checked)."""
+        where = (pool, self.config.router_host, self.config.router_port, self.router_settings)
+        if self.router_settings.kind == "vllm-router":
+            log = f"{self.log_dir}/vllm-router.log"
+            return VllmRouterProcess(*where, self.keys, log_path=log)
+        return RouterProcess(*where, self.keys)
 
     def stop(self) -> None:
         if self.router is not None:

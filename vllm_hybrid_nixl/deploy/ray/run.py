@@ -14,6 +14,7 @@ from vllm_hybrid_nixl.deploy.ray.deployment import (
 )
 from vllm_hybrid_nixl.router.auth import EngineAccessError
 from vllm_hybrid_nixl.router.settings import UnsafeBindError
+from vllm_hybrid_nixl.router.vllm_router import VllmRouterError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -51,6 +52,7 @@ def serve_until_signalled(config: PDConfig) -> int:
         IncompatibleEnginesError,
         EngineAccessError,
         UnsafeBindError,
+        VllmRouterError,
     ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
