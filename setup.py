@@ -7,6 +7,7 @@ from setuptools import find_packages, setup
 # `vllm-hybrid-nixl router` and the P/D client.
 ROUTER = [
     "httpx>=0.27",
+    "aiohttp>=3.10",
     "fastapi>=0.110",
     "uvicorn>=0.29",
     "prometheus_client>=0.20",
@@ -50,6 +51,8 @@ setup(
         ],
         # The benchmark suite's plot (bench/results/latest.png), and vllm-router: the peer
         # the router benchmark runs side by side.
+        # vllm-router as the data plane (router kind "vllm-router")
+        "vllm-router": ["vllm-router>=0.1.17"],
         "bench": ["matplotlib>=3.8", "vllm-router>=0.1.17"],
         "test": [
             "pytest>=8",

@@ -21,6 +21,7 @@ import yaml
 from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
 from tests.e2e.pd_fixture import engine_posts
 from tests.e2e.test_cli_serve import alive, engine_pids, kill_session, start, wait_session_empty
+from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 
 pytestmark = pytest.mark.e2e
@@ -119,6 +120,52 @@ def test_the_launcher_set_what_mamba_pd_needs_in_every_engine(served: Served) ->
         assert b"VLLM_SSM_CONV_STATE_LAYOUT=DS" in environ, log
         cmdline = Path(f"/proc/{api_server}/cmdline").read_bytes().split(b"\0")
         assert b"--no-enable-prefix-caching" in cmdline, log
+
+
+def vllm_router_cli(served: Served, with_side_channels: bool) -> subprocess.Popen[str]:
+    """``vllm-hybrid-nixl router --router-kind vllm-router`` over the deployment's engines."""
+    health = httpx.get(f"{served.router}/health", timeout=30).json()
+    args = ["router", "--router-kind", "vllm-router", "--port", str(free_port())]
+    for engine in health["engines"]:
+        args += [f"--{engine['role']}", engine["url"]]
+        if with_side_channels:
+            args += [f"--{engine['role']}-side-channel", engine["side_channel"]]
+    return start(args, cwd=served.log_dir)
+
+
+def test_vllm_router_serves_the_same_engines_after_our_pairing_check(served: Served) -> None:
+    """vllm-router as the data plane: started only once our check read every engine's
+    layout (refused, exit 2, when it cannot), then its answers equal the engines' own and
+    SIGTERM stops it."""
+    refused = vllm_router_cli(served, with_side_channels=False)
+    try:
+        output, _ = refused.communicate(timeout=120)
+    finally:
+        kill_session(refused.pid)
+    assert refused.returncode == 2, output[-3000:]
+    assert "refusing to start vllm-router" in output and "could not be read" in output, output
+    proc = vllm_router_cli(served, with_side_channels=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            if line.startswith("router: "):
+                break
+        assert line.startswith("router: ") and "vllm-router" in line, line
+        url = line.split()[1]
+        prefill = engines(served, "prefill")[0]
+        with httpx.Client(timeout=300) as client:
+            for prompt in PROMPTS[:2]:
+                answer = client.post(f"{url}/v1/completions", json=body(served.model, prompt))
+                assert answer.status_code == 200, answer.text
+                alone = client.post(f"{prefill}/v1/completions", json=body(served.model, prompt))
+                assert_same_answer(answer.json()["choices"][0], alone.json()["choices"][0])
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        assert wait_session_empty(proc.pid) == []
+    finally:
+        kill_session(proc.pid)
 
 
 def test_sigterm_stops_every_engine(served: Served) -> None:

@@ -140,6 +140,7 @@ def health_report(pool: BackendPool, health: HealthTracker, pairing: PairingTabl
             "name": b.label,
             "role": b.role,
             "url": b.url,
+            "side_channel": b.side_channel,
             **health.snapshot(b),
             "layout": pairing.layout(b).summary(),
         }
