@@ -3,7 +3,8 @@ runs it, 2 prefill + 1 decode engine behind the router on a local Ray cluster it
 Nothing Mamba-specific is passed: the launcher sets what Mamba P/D needs. Answers through
 the router equal the prefill engines answering alone (up to the near tie explained in
 ``mamba_answers``), both prefill engines serve legs, the state comes over NIXL, and SIGTERM
-stops everything. (1P1D as Ray actors: ``test_ray_job``, which serves the same model.)"""
+stops everything. vllm-router, the other data plane, serves the same engines after our
+pairing check. (1P1D as Ray actors: ``test_ray_job``, which serves the same model.)"""
 
 from __future__ import annotations
 
@@ -146,14 +147,14 @@ def test_vllm_router_serves_the_same_engines_after_our_pairing_check(served: Ser
     assert "refusing to start vllm-router" in output and "could not be read" in output, output
     proc = vllm_router_cli(served, with_side_channels=True)
     try:
-        line = ""
+        lines = [""]
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            if line.startswith("router: "):
+            lines.append(proc.stdout.readline())
+            if lines[-1].startswith("router: "):
                 break
-        assert line.startswith("router: ") and "vllm-router" in line, line
-        url = line.split()[1]
+        assert lines[-1].startswith("router: ") and "vllm-router" in lines[-1], "".join(lines)
+        url = lines[-1].split()[1]
         prefill = engines(served, "prefill")[0]
         with httpx.Client(timeout=300) as client:
             for prompt in PROMPTS[:2]:

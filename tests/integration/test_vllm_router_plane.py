@@ -90,7 +90,9 @@ def test_our_settings_become_vllm_routers_flags() -> None:
     assert pairs["--prefill-policy"] == "cache_aware" and pairs["--decode-policy"] == "round_robin"
     assert pairs["--request-timeout-secs"] == "45" and pairs["--max-payload-size"] == "1000"
     defaults = vllm_router_args(pool, "127.0.0.1", 9000, 9001, RouterSettings())
-    assert "power_of_two" in defaults  # least_in_flight's nearest policy
+    pairs = dict(zip(defaults[1::2], defaults[2::2], strict=False))
+    assert pairs["--prefill-policy"] == "power_of_two"  # least_in_flight's nearest policy
+    assert pairs["--decode-policy"] == "round_robin"  # vllm-router refuses it over one engine
 
 
 def test_keys_are_refused_before_any_engine_starts(model_dir: Path) -> None:

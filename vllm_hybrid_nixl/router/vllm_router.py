@@ -91,12 +91,16 @@ def vllm_router_args(
         args += ["--prefill", backend.url]
     for backend in pool.decode:
         args += ["--decode", backend.url]
+    def policy(ours: str, engines: int) -> str:
+        # vllm-router refuses power_of_two over one engine; with one there is nothing to pick
+        return POLICY[ours] if engines >= 2 else "round_robin"
+
     timeout = max(settings.prefill_timeout_s, settings.decode_read_timeout_s)
     args += [
         "--host", host, "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--prefill-policy", POLICY[settings.prefill_policy],
-        "--decode-policy", POLICY[settings.decode_policy],
+        "--prefill-policy", policy(settings.prefill_policy, len(pool.prefill)),
+        "--decode-policy", policy(settings.decode_policy, len(pool.decode)),
         "--request-timeout-secs", str(max(1, round(timeout))),
         "--max-payload-size", str(settings.max_body_bytes),
         "--health-check-interval-secs", str(max(1, round(settings.probe_interval_s))),
@@ -146,16 +150,17 @@ class VllmRouterProcess:
         binary = vllm_router_binary()
         refuse_unchecked_pairs(self.pool)
         args = vllm_router_args(self.pool, self.host, self.port, self.metrics_port, self.settings)
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # Its log: a file when given, else this process's own stdout and stderr.
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         try:
             self._process = subprocess.Popen(
                 [binary, *args],
                 stdout=log,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT if log else None,
                 preexec_fn=die_with_parent,
             )
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
