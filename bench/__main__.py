@@ -1,7 +1,11 @@
 """The benchmark suite: every figure a ratio against its anchor, measured side by side.
 
-    python -m bench            registration, KV transfer (and per UCX transport), end to end
-    python -m bench --smoke    small sizes, for CI: checks the results are well formed
+    python -m bench            registration, KV transfer (and per UCX transport, and between
+                               registered workers: ours vs stock), end to end, our router
+                               against vllm-router
+    python -m bench --smoke    small sizes, for CI: checks the results are well formed (no
+                               router comparison: its engines and three concurrencies
+                               take minutes)
     vllm-hybrid-nixl bench     the same
 
 Writes ``<section>.json``, ``latest.json`` (the headline ratios with date, commit and
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import end_to_end, registration_cost, transfer
+from bench import end_to_end, registration_cost, router_peer, transfer, worker_transfer
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,7 +60,13 @@ def attention_rows(registration: list[dict]) -> list[dict]:
     return [r for r in registration if r.get("model", "llama-hybrid") == "llama-hybrid"]
 
 
-def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]:
+def headline(
+    registration: list[dict],
+    moved: dict,
+    e2e: dict,
+    workers: dict | None = None,
+    peer: dict | None = None,
+) -> dict[str, Any]:
     mamba = [r for r in registration if r not in attention_rows(registration)]
     registration = attention_rows(registration)
     by_layers = {row["layers"]: row for row in registration}
@@ -72,7 +82,7 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
         "register_ratio": register_row["ratio"],
         "register_layers": register_row["layers"],
         "transfer_vs_memcpy": statistics.median(large or [r["ratio"] for r in moved["blocks"]]),
-        "transfer_vs_one_core_memcpy": statistics.median(
+        "transfer_vs_memcpy_one_core": statistics.median(
             [r["ratio_one_core"] for r in moved["blocks"] if r["block_bytes"] >= 256 << 10]
             or [r["ratio_one_core"] for r in moved["blocks"]]
         ),
@@ -81,6 +91,10 @@ def headline(registration: list[dict], moved: dict, e2e: dict) -> dict[str, Any]
         "pd_vs_colocated_itl_ratio": single["pd_vs_colocated_itl"],
         "pd_vs_colocated_tokens_per_s_ratio": single["pd_vs_colocated_tokens_per_s"],
     }
+    if workers:
+        top["transfer_ours_vs_stock"] = workers["ratio"]
+    if peer:
+        top.update(peer["headline"])
     if mamba:
         top["register_ratio_mamba"] = mamba[-1]["ratio"]
         top["register_layers_mamba"] = mamba[-1]["layers"]
@@ -159,6 +173,22 @@ def table(registration: list[dict], moved: dict, e2e: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worker_table(workers: dict) -> str:
+    return (
+        "\n| READ between registered workers | MiB | ours GB/s | stock GB/s | ours / stock |\n"
+        "|---|---|---|---|---|\n"
+        f"| every block, {workers['reads_per_pair']} reads per pair, alternating | "
+        f"{workers['bytes'] >> 20} | {workers['ours_gbs']:.2f} | {workers['stock_gbs']:.2f} | "
+        f"{workers['ratio']:.2f} |\n"
+    )
+
+
+def peer_table(peer: dict | None) -> str:
+    if peer is None:
+        return ""
+    return "\n" + router_peer.table(peer)
+
+
 def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -219,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         moved = transfer.measure(64 << 20, 5, transfer.BLOCK_SIZES, [1, 2, 4])
         print("== UCX transports", file=sys.stderr, flush=True)
         moved["ucx"] = transfer.compare_ucx(16 << 20, 3, [256 << 10, 1 << 20], transfer.UCX_CHOICES)
+    print("== KV transfer between registered workers (ours, stock)", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = worker_transfer.measure(
+            8 if args.smoke else 64, 1 if args.smoke else 7, Path(tmp)
+        )
     print("== end to end", file=sys.stderr, flush=True)
     e2e = end_to_end.run(
         [1] if args.smoke else [1, 8, 32],
@@ -226,19 +261,28 @@ def main(argv: list[str] | None = None) -> int:
         8 if args.smoke else 16,
         scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
     )
+    peer = None
+    if not args.smoke:
+        print("== our router against vllm-router", file=sys.stderr, flush=True)
+        peer = router_peer.run([1, 8, 32], 3, 48)
     suffix = "_smoke" if args.smoke else ""
     for name, data in (
         ("registration_cost", registration),
         ("transfer", moved),
+        ("worker_transfer", workers),
         ("end_to_end", e2e),
+        ("router_peer", peer),
     ):
-        (out / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
-    top = headline(registration, moved, e2e)
+        if data is not None:
+            (out / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
+    top = headline(registration, moved, e2e, workers, peer)
     top["wall_s"] = round(time.monotonic() - started)
     (out / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))
-    report = table(registration, moved, e2e)
+    report = table(registration, moved, e2e) + worker_table(workers) + peer_table(peer)
     (out / f"latest{suffix}.md").write_text(report)
     plotted = plot(registration, moved, e2e, out / f"latest{suffix}.png")
+    if peer is not None:
+        router_peer.plot(peer, out / "router_peer.png")
     print(report)
     print(json.dumps(top, indent=2))
     if not plotted:

@@ -191,6 +191,7 @@ def start_stack(
     (urls, stop), and the router's PID after them when asked."""
     from vllm_hybrid_nixl.common.netutil import free_port
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+    from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 
     args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
     engines = [
@@ -217,6 +218,8 @@ def start_stack(
             [
                 script, "router", "--port", str(port),
                 "--prefill", engines[0].spec.url, "--decode", engines[1].spec.url,
+                # what `serve` gives the router in front of engines it starts (keepalive.py)
+                "--keepalive-expiry-s", str(router_keep_alive_s({})),
             ],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, start_new_session=True,
         )  # fmt: skip

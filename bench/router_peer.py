@@ -12,7 +12,7 @@ threads) are read before and after each run: CPU seconds per request.
 Headline (worse of concurrency 8 and 32, medians over rounds): ``router_vs_vllm_router_
 throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``.
 
-    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 2] [--prompts 48]
+    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts 48]
 """
 
 from __future__ import annotations
@@ -181,28 +181,65 @@ def run(concurrency: list[int], rounds: int, prompts: int) -> dict[str, Any]:
     return {"prompts": prompts, "rounds": rounds, "runs": runs, **summarize(runs)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=48)
-    args = parser.parse_args()
-    result = run(args.concurrency, args.rounds, args.prompts)
-    print(
-        f"{'conc':>4} {'target':>13} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'CPU ms/req':>10}"
-    )
+def table(result: dict[str, Any]) -> str:
+    """The comparison as Markdown: medians over rounds per concurrency and target."""
+    lines = [
+        "| router comparison: concurrent | target | output tok/s | TTFT p50 ms | TTFT p99 ms "
+        "| E2E p50 ms | router CPU ms / request |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c, targets in result["by_concurrency"].items():
         for target, row in targets.items():
             cpu = row.get("router_cpu_ms_per_request")
-            print(
-                f"{c:>4} {target:>13} {row['output_tokens_per_s']:>7.0f} "
-                f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms "
-                f"{'' if cpu is None else f'{cpu:.1f}':>10}"
+            lines.append(
+                f"| {c} | {target} | {row['output_tokens_per_s']:.0f} | "
+                f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | {row['e2el_p50_ms']:.0f} "
+                f"| {'' if cpu is None else f'{cpu:.1f}'} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Throughput and p99 TTFT against concurrency, one line per target (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    levels = sorted(result["by_concurrency"], key=int)
+    for target in TARGETS:
+        rows = [result["by_concurrency"][c].get(target) for c in levels]
+        xs = [int(c) for c, row in zip(levels, rows, strict=True) if row]
+        rows = [row for row in rows if row]
+        axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=target)
+        axes[1].plot(xs, [r["ttft_p99_ms"] for r in rows], "o-", label=target)
+    axes[0].set(xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
+    axes[1].set(xlabel="concurrent requests", ylabel="TTFT p99 (ms)", title="Tail TTFT")
+    axes[1].set_yscale("log")
+    for axis in axes:
+        axis.set_xscale("log", base=2)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=48)
+    args = parser.parse_args()
+    result = run(args.concurrency, args.rounds, args.prompts)
+    print(table(result))
     print(json.dumps(result["headline"]))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "router_peer.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "router_peer.png")
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+READS_PER_PAIR = 5
 
 
 def _worker(cls: type, setup: Any) -> Any:
@@ -93,7 +94,7 @@ def measure(cache_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
         for round_index in range(repeats):
             order = ("ours", "stock") if round_index % 2 == 0 else ("stock", "ours")
             for name in order:
-                moved, seconds = _one_pair(classes[name], setup, harness, reads=5)
+                moved, seconds = _one_pair(classes[name], setup, harness, READS_PER_PAIR)
                 rates[name].append(moved / seconds / 1e9)
             print(
                 f"  worker READ of {moved >> 20} MiB: ours {rates['ours'][-1]:.2f} GB/s, "
@@ -102,7 +103,13 @@ def measure(cache_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
                 flush=True,
             )
     ours, stock = statistics.median(rates["ours"]), statistics.median(rates["stock"])
-    return {"bytes": moved, "ours_gbs": ours, "stock_gbs": stock, "ratio": ours / stock}
+    return {
+        "bytes": moved,
+        "reads_per_pair": READS_PER_PAIR,
+        "ours_gbs": ours,
+        "stock_gbs": stock,
+        "ratio": ours / stock,
+    }
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import ray
 
+from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.deploy.placement import engine_core_sets
 from vllm_hybrid_nixl.deploy.ray.actors import EngineActor
@@ -74,6 +75,15 @@ def refuse_incompatible_pairs(pool: BackendPool) -> None:
     _say("layouts: every prefill/decode pair has the same KV-cache layout fingerprint")
 
 
+def with_engine_keep_alive(settings: RouterSettings, config: PDConfig) -> RouterSettings:
+    """The router keeps idle engine connections for a share of the keep-alive these engines
+    get (deploy/keepalive.py), unless the operator set ``keepalive_expiry_s``."""
+    if "keepalive_expiry_s" in settings.model_fields_set:
+        return settings
+    keep = router_keep_alive_s(dict(config.env))
+    return settings if keep is None else settings.model_copy(update={"keepalive_expiry_s": keep})
+
+
 class PDDeployment:
     """``start()`` brings up engines and router; ``stop()`` (or leaving ``with``) ends them."""
 
@@ -86,7 +96,7 @@ class PDDeployment:
         """``keys`` default to the environment (``RouterKeys.from_env``); the engine key is
         handed to each engine as its ``VLLM_API_KEY``."""
         self.config = config
-        self.router_settings = router_settings or config.router
+        self.router_settings = with_engine_keep_alive(router_settings or config.router, config)
         self.keys = keys if keys is not None else RouterKeys.from_env()
         self.engines: list[EngineHandle] = []
         self.router: RouterProcess | VllmRouterProcess | None = None
