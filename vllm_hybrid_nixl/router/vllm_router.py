@@ -91,6 +91,7 @@ def vllm_router_args(
         args += ["--prefill", backend.url]
     for backend in pool.decode:
         args += ["--decode", backend.url]
+
     def policy(ours: str, engines: int) -> str:
         # vllm-router refuses power_of_two over one engine; with one there is nothing to pick
         return POLICY[ours] if engines >= 2 else "round_robin"
