@@ -262,7 +262,7 @@ FIELDS = {
 }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     fields=st.fixed_dictionaries({}, optional=FIELDS),
     with_model=st.booleans(),
