@@ -102,3 +102,28 @@ def test_removal_leaves_nothing_behind() -> None:
     made.remove()
     assert made.existing() == []
     assert server.poll() is not None
+
+
+UCX_DEVICE_OF_ENGINE = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.pop("UCX_NET_DEVICES", None)
+    from vllm_hybrid_nixl.deploy.engines import EngineSpec
+    spec = EngineSpec(model="m", port=8000, host=sys.argv[1])
+    print(spec.environment().get("UCX_NET_DEVICES"))
+    """
+)
+
+
+def test_an_engine_on_a_host_keeps_ucx_on_the_interface_of_its_address(
+    cluster: NetnsCluster,
+) -> None:
+    """An engine advertising its host's address gets UCX on that interface (``eth0`` here),
+    never every interface: a peer on another host cannot reach this host's 127.0.0.1."""
+    host = cluster.hosts[1]
+    done = host.run([sys.executable, "-c", UCX_DEVICE_OF_ENGINE, host.address])
+    assert done.stdout.strip() == "eth0", done.stderr[-2000:]
+    done = host.run([sys.executable, "-c", UCX_DEVICE_OF_ENGINE, "127.0.0.1"])
+    assert done.stdout.strip() == "lo", done.stderr[-2000:]
+    done = host.run([sys.executable, "-c", UCX_DEVICE_OF_ENGINE, "engine.example"])
+    assert done.stdout.strip() == "None", done.stderr[-2000:]  # unknown: UCX decides
