@@ -190,6 +190,7 @@ def start_stack(
     """Prefill and decode engines (a core each) and the router process; returns
     (urls, stop), and the router's PID after them when asked."""
     from vllm_hybrid_nixl.common.netutil import free_port
+    from vllm_hybrid_nixl.common.processes import die_with_parent
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
     from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 
@@ -222,6 +223,7 @@ def start_stack(
                 "--keepalive-expiry-s", str(router_keep_alive_s({})),
             ],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, start_new_session=True,
+            preexec_fn=die_with_parent,  # a bench stopped by a signal leaves no router
         )  # fmt: skip
     urls = {
         "prefill": engines[0].spec.url,

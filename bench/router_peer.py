@@ -12,7 +12,7 @@ threads) are read before and after each run: CPU seconds per request.
 Headline (worse of concurrency 8 and 32, medians over rounds): ``router_vs_vllm_router_
 throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``.
 
-    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts 48]
+    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts-per-slot 6]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ HEADLINE_CONCURRENCY = (8, 32)
 
 def start_vllm_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen, str]:
     from vllm_hybrid_nixl.common.netutil import free_port
+    from vllm_hybrid_nixl.common.processes import die_with_parent
 
     port, metrics_port = free_port(), free_port()
     binary = str(Path(sys.executable).with_name("vllm-router"))
@@ -49,6 +50,7 @@ def start_vllm_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             ],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -93,7 +95,7 @@ def measure(
     model: str,
     concurrency: list[int],
     rounds: int,
-    prompts: int,
+    per_slot: int,
     out: Path,
 ) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
@@ -102,7 +104,7 @@ def measure(
             shift = round_index % len(TARGETS)
             for target in TARGETS[shift:] + TARGETS[:shift]:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                result = bench_serve(urls[target], model, c, prompts, out)
+                result = bench_serve(urls[target], model, c, prompts_for(c, per_slot), out)
                 spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
                 runs.append(
                     {
@@ -158,7 +160,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"by_concurrency": table, "headline": headline}
 
 
-def run(concurrency: list[int], rounds: int, prompts: int) -> dict[str, Any]:
+def prompts_for(concurrency: int, per_slot: int) -> int:
+    """Prompts in one run: ``per_slot`` per concurrent request, at least 16 (so a p99 is
+    more than one request's luck, and one request at a time does not take minutes)."""
+    return max(16, per_slot * concurrency)
+
+
+def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,12 +180,13 @@ def run(concurrency: list[int], rounds: int, prompts: int) -> dict[str, Any]:
             targets["decode_alone"] = urls["decode"]
             pids = {"ours": router_pid, "vllm_router": peer.pid}
             bench_serve(targets["ours"], model, 1, 4, work)  # warm-up: the first NIXL handshake
-            runs = measure(targets, pids, model, concurrency, rounds, prompts, work)
+            runs = measure(targets, pids, model, concurrency, rounds, per_slot, work)
         finally:
             if peer is not None:
                 peer.terminate()
                 peer.wait(timeout=20)
             stop()
+    prompts = {str(c): prompts_for(c, per_slot) for c in concurrency}
     return {"prompts": prompts, "rounds": rounds, "runs": runs, **summarize(runs)}
 
 
@@ -232,9 +241,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--prompts-per-slot", type=int, default=6)
     args = parser.parse_args()
-    result = run(args.concurrency, args.rounds, args.prompts)
+    result = run(args.concurrency, args.rounds, args.prompts_per_slot)
     print(table(result))
     print(json.dumps(result["headline"]))
     RESULTS.mkdir(exist_ok=True)
