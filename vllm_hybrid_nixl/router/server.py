@@ -65,7 +65,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return listener
 
 
-class _RouterSetup:
+class RouterSetup:
     """What both ways of running the router take: engines, address (port 0 picks a free
     one), settings and keys."""
 
@@ -89,7 +89,7 @@ class _RouterSetup:
         return f"http://{self.host}:{self.port}"
 
 
-class RouterServer(_RouterSetup):
+class RouterServer(RouterSetup):
     """A router bound to ``host:port`` (port 0 picks a free one), stoppable.
 
     ``start()`` first asks every engine for ``/v1/models`` with the engine key and raises
@@ -136,7 +136,7 @@ class RouterServer(_RouterSetup):
             self._thread.join(timeout=15)
 
 
-class RouterProcess(_RouterSetup):
+class RouterProcess(RouterSetup):
     """The router in a process of its own (same arguments as :class:`RouterServer`).
 
     A process that launches engines (the Ray driver of ``serve``) does other work; in its own
@@ -189,12 +189,6 @@ class RouterProcess(_RouterSetup):
         return self
 
     def stop(self) -> None:
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=5)
+        from vllm_hybrid_nixl.common.processes import stop_child
+
+        stop_child(self._process)

@@ -19,8 +19,10 @@ from pathlib import Path
 import httpx
 
 from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.processes import die_with_parent, stop_child
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.server import RouterSetup
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
 #: Our policy -> vllm-router's nearest one (power_of_two: the less loaded of two engines).
@@ -110,7 +112,7 @@ def vllm_router_args(
     return args
 
 
-class VllmRouterProcess:
+class VllmRouterProcess(RouterSetup):
     """vllm-router over ``pool`` on ``host:port`` (0: a free port), the same interface as
     :class:`~vllm_hybrid_nixl.router.server.RouterProcess`; stopped by its PID."""
 
@@ -123,17 +125,10 @@ class VllmRouterProcess:
         keys: RouterKeys | None = None,
         log_path: str | Path | None = None,
     ) -> None:
-        self.pool, self.host = pool, host
-        self.port = port or free_port(host)
-        self.settings = settings or RouterSettings()
-        self.keys = keys or RouterKeys()
+        super().__init__(pool, host, port, settings, keys)
         self.metrics_port = free_port()
         self.log_path = Path(log_path) if log_path else None
         self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     @property
     def metrics_url(self) -> str:
@@ -145,8 +140,6 @@ class VllmRouterProcess:
 
     def start(self, timeout_s: float = 120.0) -> VllmRouterProcess:
         """Checks keys and every pair's layout, starts vllm-router, waits for its /health."""
-        from vllm_hybrid_nixl.common.processes import die_with_parent
-
         refuse_what_vllm_router_would_not_honour(self.keys)
         binary = vllm_router_binary()
         refuse_unchecked_pairs(self.pool)
@@ -187,11 +180,4 @@ class VllmRouterProcess:
         return self._process.wait()
 
     def stop(self) -> None:
-        if self._process is None or self._process.poll() is not None:
-            return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(timeout=5)
+        stop_child(self._process)
