@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     print("== KV transfer between registered workers (ours, stock)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         workers = worker_transfer.measure(
-            8 if args.smoke else 64, 1 if args.smoke else 7, Path(tmp)
+            8 if args.smoke else 64, 1 if args.smoke else 5, Path(tmp)
         )
     print("== end to end", file=sys.stderr, flush=True)
     e2e = end_to_end.run(

@@ -1,9 +1,9 @@
 """KV transfer between registered workers: our worker's caches against the stock worker's.
 
-Two workers of one class (prefill and decode) register the same real caches (vLLM's
-KVCacheConfig for the tiny sliding-window hybrid) with real NIXL agents; the decode worker
-READs every block of the prefill's from the descriptors each advertises in its handshake,
-as vLLM's read path does. Ours and stock alternate, round after round, so machine noise
+Two workers of one class (prefill and decode), in a fresh process for each pair, register
+the same real caches (vLLM's KVCacheConfig for the tiny sliding-window hybrid) with real
+NIXL agents; the decode worker READs every block of the prefill's from the descriptors each
+advertises in its handshake, as vLLM's read path does. Ours and stock alternate, round after round, so machine noise
 hits both alike. ``transfer_ours_vs_stock``: our throughput / stock's (1.0 = our
 registration costs the transfer nothing).
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -80,28 +81,51 @@ def _one_pair(cls: type, setup: Any, harness: Any, reads: int) -> tuple[int, flo
         decode.shutdown()
 
 
-def measure(cache_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
+def one_pair(name: str, model: str, cache_mib: int) -> dict[str, float]:
+    """One pair of ``name`` (ours | stock) workers: bytes and seconds per READ."""
     from tests.harness import worker_harness as harness
     from vllm_hybrid_nixl.connector import compat
     from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker
+
+    classes = {"ours": HybridNixlPullWorker, "stock": compat.nixl_classes().pull_worker}
+    with harness.model_setup(model, kv_cache_bytes=cache_mib << 20) as setup:
+        moved, seconds = _one_pair(classes[name], setup, harness, READS_PER_PAIR)
+    return {"bytes": moved, "seconds": seconds}
+
+
+def _pair_in_fresh_process(name: str, model: str, cache_mib: int) -> dict[str, float]:
+    """:func:`one_pair` in a process of its own: NIXL agents of earlier pairs keep their
+    busy progress threads in a process after the workers shut down, and starved the next
+    pair's transfers (measured: 0.01 GB/s after a stock pair, 2 GB/s before)."""
+    command = [
+        sys.executable, "-m", "bench.worker_transfer", "--one-pair", name,
+        "--model", model, "--cache-mib", str(cache_mib),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root)
+    if done.returncode != 0:
+        raise RuntimeError(f"worker transfer ({name}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(cache_mib: int, repeats: int, workdir: Path) -> dict[str, Any]:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
-    model = build_tiny_model(workdir / "transfer-model", TinyModelSpec())
-    classes = {"ours": HybridNixlPullWorker, "stock": compat.nixl_classes().pull_worker}
+    model = str(build_tiny_model(workdir / "transfer-model", TinyModelSpec()))
     rates: dict[str, list[float]] = {"ours": [], "stock": []}
     moved = 0
-    with harness.model_setup(str(model), kv_cache_bytes=cache_mib << 20) as setup:
-        for round_index in range(repeats):
-            order = ("ours", "stock") if round_index % 2 == 0 else ("stock", "ours")
-            for name in order:
-                moved, seconds = _one_pair(classes[name], setup, harness, READS_PER_PAIR)
-                rates[name].append(moved / seconds / 1e9)
-            print(
-                f"  worker READ of {moved >> 20} MiB: ours {rates['ours'][-1]:.2f} GB/s, "
-                f"stock {rates['stock'][-1]:.2f} GB/s",
-                file=sys.stderr,
-                flush=True,
-            )
+    for round_index in range(repeats):
+        order = ("ours", "stock") if round_index % 2 == 0 else ("stock", "ours")
+        for name in order:
+            pair = _pair_in_fresh_process(name, model, cache_mib)
+            moved = int(pair["bytes"])
+            rates[name].append(moved / pair["seconds"] / 1e9)
+        print(
+            f"  worker READ of {moved >> 20} MiB: ours {rates['ours'][-1]:.2f} GB/s, "
+            f"stock {rates['stock'][-1]:.2f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
     ours, stock = statistics.median(rates["ours"]), statistics.median(rates["stock"])
     return {
         "bytes": moved,
@@ -118,7 +142,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-mib", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--one-pair", choices=["ours", "stock"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_pair:  # the child of _pair_in_fresh_process
+        print(json.dumps(one_pair(args.one_pair, args.model, args.cache_mib)))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(args.cache_mib, args.repeats, Path(tmp))
     print(json.dumps(result, indent=2))
