@@ -3,9 +3,9 @@
 Two workers of one class (prefill and decode), in a fresh process for each pair, register
 the same real caches (vLLM's KVCacheConfig for the tiny sliding-window hybrid) with real
 NIXL agents; the decode worker READs every block of the prefill's from the descriptors each
-advertises in its handshake, as vLLM's read path does. Ours and stock alternate, round after round, so machine noise
-hits both alike. ``transfer_ours_vs_stock``: our throughput / stock's (1.0 = our
-registration costs the transfer nothing).
+advertises in its handshake, as vLLM's read path does. Ours and stock alternate, round after
+round, so machine noise hits both alike. ``transfer_ours_vs_stock``: our throughput /
+stock's (1.0 = our registration costs the transfer nothing).
 
     python -m bench.worker_transfer [--cache-mib 32] [--repeats 5]
 """
