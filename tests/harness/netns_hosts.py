@@ -82,12 +82,19 @@ def _no_such_process() -> Iterator[None]:
 
 @dataclass
 class NetnsCluster:
-    """``count`` hosts on one bridge, subnet ``10.<net>.0.0/24``."""
+    """``count`` hosts on one bridge, subnet ``10.<net>.0.0/24``; ``net`` defaults to one
+    derived from this process's PID plus ``offset``, so two test runs on one machine (and
+    two clusters in one run, by offset) never share a subnet."""
 
     count: int
-    net: int = 77
+    offset: int = 0
+    net: int = -1
     hosts: list[NetnsHost] = field(default_factory=list)
     _made: list[tuple[str, str]] = field(default_factory=list)  # (kind, name), in order
+
+    def __post_init__(self) -> None:
+        if self.net < 0:
+            self.net = 100 + (os.getpid() + self.offset) % 150
 
     @property
     def tag(self) -> str:
@@ -159,8 +166,8 @@ class NetnsCluster:
 
 
 @contextmanager
-def netns_cluster(count: int, net: int = 77) -> Iterator[NetnsCluster]:
-    cluster = NetnsCluster(count, net).create()
+def netns_cluster(count: int, offset: int = 0) -> Iterator[NetnsCluster]:
+    cluster = NetnsCluster(count, offset).create()
     try:
         yield cluster
     finally:

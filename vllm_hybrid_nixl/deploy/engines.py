@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.common.netutil import interface_of
 from vllm_hybrid_nixl.common.processes import die_with_parent
 from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
 from vllm_hybrid_nixl.deploy.mamba_defaults import mamba_engine_args, set_mamba_environment
@@ -108,13 +107,11 @@ class EngineSpec:
         if self.cpu_core is not None:
             cores = [self.cpu_core] if isinstance(self.cpu_core, int) else self.cpu_core
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
-        device = "lo" if self.host.startswith("127.") else interface_of(self.host)
-        if device is not None:
-            # UCX (NIXL's transport) on the interface of the address the engine advertises,
-            # instead of every interface: on a loopback address peers are on this machine;
-            # on a host with several interfaces, peers reach it where its side channel is
-            # (another host cannot reach this host's own 127.0.0.1).
-            env.setdefault("UCX_NET_DEVICES", device)
+        if self.host.startswith("127."):
+            # An engine on a loopback address talks only to peers on this machine: keep
+            # UCX (NIXL's transport) on the loopback device too, instead of also trying the
+            # machine's outward interfaces.
+            env.setdefault("UCX_NET_DEVICES", "lo")
         env.update(self.env)
         return env
 
