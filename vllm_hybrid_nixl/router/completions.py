@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -43,6 +44,31 @@ async def until_disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+@dataclass
+class RelayProgress:
+    began: bool = False
+
+
+class RelayedStream(StreamingResponse):
+    """The relayed decode stream. Starlette never starts the relay when the client is gone
+    by the time the response begins (its send fails, or the disconnect wins the race); the
+    relay's own ``finally`` then never runs, so ``unsent`` ends the leg instead: its engine
+    connection closed, its in-flight count returned (which least-in-flight routing reads)."""
+
+    def __init__(
+        self, chunks: AsyncIterator[bytes], progress: RelayProgress, unsent: Callable[[], None]
+    ) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._progress, self._unsent = progress, unsent
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._progress.began:
+                self._unsent()
 
 
 class CompletionHandler:
@@ -96,9 +122,15 @@ class CompletionHandler:
             return Response(
                 answer.response.body, status_code=200, media_type=answer.response.content_type
             )
-        return StreamingResponse(
-            self.relay(answer, request_id, finish), media_type="text/event-stream"
-        )
+        progress = RelayProgress()
+
+        def unsent() -> None:  # the client left before the relay began
+            answer.response.close()
+            self.proxy.leg_ended(answer.decode)
+            self.metrics.client_disconnects.inc()
+            finish("client_disconnected")
+
+        return RelayedStream(self.relay(answer, request_id, finish, progress), progress, unsent)
 
     async def checked_body(self, endpoint: str, request: Request) -> Any:
         """The parsed body, or BadRequest carrying the 4xx to send."""
@@ -157,9 +189,14 @@ class CompletionHandler:
         )
 
     async def relay(
-        self, answer: Any, request_id: str, finish: Callable[[str], None]
+        self,
+        answer: Any,
+        request_id: str,
+        finish: Callable[[str], None],
+        progress: RelayProgress,
     ) -> AsyncIterator[bytes]:
         """The decode engine's stream, chunk by chunk; an error event if it breaks."""
+        progress.began = True
         outcome = "ok"
         try:
             yield answer.first
