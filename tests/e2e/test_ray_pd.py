@@ -70,7 +70,9 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         log_dir=str(tmp_path_factory.mktemp("ray-pd-logs")),
         startup_timeout_s=900,
         engine_restart_backoff_s=1.0,
-        router={"probe_interval_s": 1.0},
+        # A short pool expiry (serve's default here is 30 s, see keepalive.py): the load
+        # test checks that pooled engine connections go back to baseline afterwards.
+        router={"probe_interval_s": 1.0, "keepalive_expiry_s": 1.0},
     )
     try:
         with PDDeployment(config, keys=KEYS) as running:
@@ -346,7 +348,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
         f"{reruns:.0f} whole-request re-runs; router loop lag: {loop_lag(deployment)}"
     )
     # Back to baseline: nothing in flight, pooled connections expire, memory settles.
-    time.sleep(3.0)
+    time.sleep(deployment.router_settings.keepalive_expiry_s + 2.0)
     httpx.get(f"{deployment.router_url}/v1/models", headers=ROUTER, timeout=30)
     metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
     assert "router_in_flight_requests 0.0" in metrics
