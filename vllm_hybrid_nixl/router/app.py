@@ -47,7 +47,7 @@ def build_app(
         open_cooldown_s=settings.open_cooldown_s,
     )
     proxy = Disaggregator(pool, pairing, health, metrics, settings)
-    probes = EngineProbes(pool, pairing, health, metrics, proxy, settings)
+    probes = EngineProbes(pool, pairing, health, metrics, settings)
     models = ServedModels(pool, settings.health_timeout_s)
     handler = CompletionHandler(proxy, health, metrics, models, settings)
 

@@ -15,7 +15,6 @@ from vllm_hybrid_nixl.router.backends import Backend, BackendPool
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
-from vllm_hybrid_nixl.router.proxy import Disaggregator
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 #: Seconds between full re-reads of every engine's layout.
@@ -31,11 +30,10 @@ class EngineProbes:
         pairing: PairingTable,
         health: HealthTracker,
         metrics: RouterMetrics,
-        proxy: Disaggregator,
         settings: RouterSettings,
     ) -> None:
         self.pool, self.pairing, self.health = pool, pairing, health
-        self.metrics, self.proxy, self.settings = metrics, proxy, settings
+        self.metrics, self.settings = metrics, settings
         self._layouts_read_at = time.monotonic()
 
     async def probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
