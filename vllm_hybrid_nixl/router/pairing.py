@@ -34,7 +34,7 @@ from vllm_hybrid_nixl.protocol.handshake_probe import (
     fetch_compat_string,
     speaks_pp_rank_form,
 )
-from vllm_hybrid_nixl.router.backends import Backend
+from vllm_hybrid_nixl.router.backends import Backend, BackendPool
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
 
@@ -203,3 +203,12 @@ class PairingTable:
                 if problem:
                     found.append(problem)
         return found
+
+
+def read_pool_pairing(pool: BackendPool, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+    """Every engine's layout read once: the problems of the pool's prefill/decode pairs, and
+    the engines whose layout could not be read."""
+    table = PairingTable(pool.all(), timeout_s=timeout_s)
+    table.refresh()
+    unread = [b.label for b in pool.all() if not table.layout(b).known]
+    return table.problems(pool.prefill, pool.decode), unread

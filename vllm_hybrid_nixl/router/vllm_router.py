@@ -21,7 +21,7 @@ import httpx
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.common.processes import die_with_parent, stop_child
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.pairing import read_pool_pairing
 from vllm_hybrid_nixl.router.server import RouterSetup
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
@@ -67,10 +67,7 @@ def refuse_what_vllm_router_would_not_honour(keys: RouterKeys) -> None:
 def refuse_unchecked_pairs(pool: BackendPool, timeout_s: float = 10.0) -> None:
     """Every prefill/decode pair must be layout-checked and compatible: vllm-router cannot
     leave out a pair, so one bad or unreadable pair refuses the whole pool."""
-    table = PairingTable(pool.all(), timeout_s=timeout_s)
-    table.refresh()
-    problems = table.problems(pool.prefill, pool.decode)
-    unread = [b.label for b in pool.all() if not table.layout(b).known]
+    problems, unread = read_pool_pairing(pool, timeout_s)
     if unread:
         problems.append(
             f"the KV-cache layout of {', '.join(unread)} could not be read from its NIXL "

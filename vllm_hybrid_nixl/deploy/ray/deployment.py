@@ -17,7 +17,7 @@ from vllm_hybrid_nixl.deploy.placement import engine_core_sets
 from vllm_hybrid_nixl.deploy.ray.actors import EngineActor
 from vllm_hybrid_nixl.deploy.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.pairing import read_pool_pairing
 from vllm_hybrid_nixl.router.server import RouterProcess
 from vllm_hybrid_nixl.router.settings import (
     VLLM_ENGINE_KEY_ENV,
@@ -62,12 +62,9 @@ def _say(message: str) -> None:
 
 def refuse_incompatible_pairs(pool: BackendPool) -> None:
     """Raise when some prefill/decode pair has different KV-cache layout fingerprints."""
-    table = PairingTable(pool.all(), timeout_s=10.0)
-    table.refresh()
-    unknown = [b.label for b in pool.all() if not table.layout(b).known]
+    problems, unknown = read_pool_pairing(pool)
     if unknown:
         _say(f"warning: could not read the KV-cache layout of {', '.join(unknown)}")
-    problems = table.problems(pool.prefill, pool.decode)
     if problems:
         raise IncompatibleEnginesError(
             "refusing to pair engines whose KV-cache layouts differ:\n" + "\n".join(problems)
