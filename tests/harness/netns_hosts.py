@@ -50,8 +50,12 @@ class NetnsHost:
         self.processes.append(process)
         return process
 
-    def run(self, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout_s)
+    def run(
+        self, argv: Sequence[str], timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(argv), capture_output=True, text=True, timeout=timeout_s, env=env
+        )
 
     def stop_processes(self, grace_s: float = 20.0) -> None:
         """SIGTERM each process group started here, then SIGKILL what is left."""
@@ -150,6 +154,9 @@ class NetnsCluster:
         """Stops every process started in a host, then deletes what ``create`` made."""
         for host in self.hosts:
             host.stop_processes()
+        for kind, name in self._made:  # anything still in a host (a child that left its group)
+            if kind == "netns":
+                _kill_namespace_pids(name)
         for kind, name in reversed(self._made):
             args = ("netns", "del", name) if kind == "netns" else ("link", "del", name)
             subprocess.run(["ip", *args], capture_output=True, timeout=30)
@@ -163,6 +170,18 @@ class NetnsCluster:
             for command in (["ip", "-o", "link", "show"], ["ip", "netns", "list"])
         )
         return sorted({w.split("@")[0].rstrip(":") for w in shown.split() if self.tag in w})
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    """PIDs of the processes running in ``namespace`` now (``ip netns pids``)."""
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+
+def _kill_namespace_pids(namespace: str) -> None:
+    for pid in namespace_pids(namespace):
+        with _no_such_process():
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextmanager

@@ -81,10 +81,12 @@ class EngineActor:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
-    def node_facts(self) -> tuple[str, int]:
-        """(Ray node id, cores of that node): the deployment shares each node's cores among
-        the engines placed on it."""
-        return self.node_id, os.cpu_count() or 1
+    def node_facts(self) -> tuple[str, list[int]]:
+        """(Ray node id, the cores this node may run on): the deployment shares them among
+        the engines placed on it. The cores are the raylet's CPU affinity (a container's
+        cpuset, ``taskset``), not every core of the machine, so raylets given disjoint
+        cores on one machine never put two engines on one core."""
+        return self.node_id, sorted(os.sched_getaffinity(0)) or [0]
 
     def start(self, cpu_cores: list[int] | None = None) -> dict[str, Any]:
         """Start the engine; ``cpu_cores``: its share of this node's cores (CPU engines)."""

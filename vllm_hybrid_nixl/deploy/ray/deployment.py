@@ -239,20 +239,21 @@ class PDDeployment:
         """Each engine's share of the cores of the node Ray placed it on (prefill and decode
         engines of one node on disjoint cores while there are enough)."""
         facts = ray.get([e.actor.node_facts.remote() for e in self.engines], timeout=120)
-        by_node: dict[str, list[tuple[EngineHandle, int]]] = {}
+        by_node: dict[str, list[tuple[EngineHandle, list[int]]]] = {}
         for engine, (node_id, cores) in zip(self.engines, facts, strict=True):
             by_node.setdefault(node_id, []).append((engine, cores))
         shares: dict[str, list[int]] = {}
         for placed in by_node.values():
             prefill = [e for e, _ in placed if e.role == "prefill"]
             decode = [e for e, _ in placed if e.role == "decode"]
-            prefill_sets, decode_sets = engine_core_sets(len(prefill), len(decode), placed[0][1])
+            cores = placed[0][1]
+            prefill_sets, decode_sets = engine_core_sets(len(prefill), len(decode), len(cores))
             pairs = [
                 *zip(prefill, prefill_sets, strict=True),
                 *zip(decode, decode_sets, strict=True),
             ]
             for engine, core_set in pairs:
-                shares[engine.name] = core_set
+                shares[engine.name] = [cores[i] for i in core_set]
         return shares
 
     def _wait_ready(self) -> None:
