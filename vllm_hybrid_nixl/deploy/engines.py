@@ -180,10 +180,15 @@ class EngineProcess:
         )
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the engine's process group (by PID): SIGTERM, then SIGKILL."""
-        if self.process is None or self.process.poll() is not None:
+        """Stop the engine's process group (by PID): SIGTERM, then SIGKILL. When the API
+        server is already gone (a crash, the OOM killer), vLLM's engine-core and worker
+        processes may outlive it holding the engine's ports: they are killed too."""
+        if self.process is None:
             return
         pgid = self.process.pid  # start_new_session made the child its group leader
+        if self.process.poll() is not None:
+            kill_leftover_group(pgid)
+            return
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(pgid, sig)
@@ -194,7 +199,19 @@ class EngineProcess:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        try:  # children that outlived the leader
+        kill_leftover_group(pgid)
+
+
+def kill_leftover_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL what is left of process group ``pgid`` (children that outlived their leader)
+    and wait until it is gone, so its ports are free again. Linux does not hand out a PID
+    that is still a live group's ID, so this never reaches an unrelated process."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)

@@ -123,6 +123,7 @@ class EngineActor:
                 if self._stopping.is_set():
                     return
                 self.restarts += 1
+                self.engine.stop()  # what outlived the API server holds its ports
                 old = self.engine.spec
                 spec = dataclasses.replace(
                     old,
