@@ -57,12 +57,16 @@ class NetnsHost:
             self.command(argv), capture_output=True, text=True, timeout=timeout_s, env=env
         )
 
-    def stop_processes(self, grace_s: float = 20.0) -> None:
-        """SIGTERM each process group started here, then SIGKILL what is left."""
+    def terminate_processes(self) -> None:
+        """SIGTERM each process group started here (``stop_processes`` waits for them)."""
         for process in self.processes:
             if process.poll() is None:
                 with _no_such_process():
                     os.killpg(process.pid, signal.SIGTERM)
+
+    def stop_processes(self, grace_s: float = 20.0) -> None:
+        """SIGTERM each process group started here, then SIGKILL what is left."""
+        self.terminate_processes()
         deadline = time.monotonic() + grace_s
         for process in self.processes:
             try:
@@ -152,6 +156,8 @@ class NetnsCluster:
 
     def remove(self) -> None:
         """Stops every process started in a host, then deletes what ``create`` made."""
+        for host in self.hosts:  # every host's grace period runs at once
+            host.terminate_processes()
         for host in self.hosts:
             host.stop_processes()
         for kind, name in self._made:  # anything still in a host (a child that left its group)
