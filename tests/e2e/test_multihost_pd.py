@@ -1,7 +1,7 @@
 """P/D across separate network hosts: a Ray cluster whose raylets each run in their own
 network namespace (own address, own ``eth0`` on one bridge), engines placed on different
 hosts, ``vllm-hybrid-nixl serve --address`` and its router on the head host, and faults on
-the wire: a link cut under load, a slow and lossy link, an engine killed.
+the wire: a link cut under load, a slow and flapping link, an engine killed.
 
 Hosts (``10.N.0.i``): 1 head (Ray GCS, ``serve``, the router), 2 and 3 one prefill engine
 each, 4 the decode engine. The prefill hosts' raylets are bound to core 0 and the decode
