@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
+import time
 
 
 def die_with_parent() -> None:
@@ -25,3 +27,18 @@ def stop_child(process: subprocess.Popen | None, grace_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=5)
+
+
+def kill_leftover_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL what is left of process group ``pgid`` (children that outlived their leader)
+    and wait until it is gone, so its ports are free again. Linux does not hand out a PID
+    that is still a live group's ID, so this never reaches an unrelated process."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.common.processes import die_with_parent
+from vllm_hybrid_nixl.common.processes import die_with_parent, kill_leftover_group
 from vllm_hybrid_nixl.deploy.keepalive import set_engine_keep_alive
 from vllm_hybrid_nixl.deploy.mamba_defaults import mamba_engine_args, set_mamba_environment
 from vllm_hybrid_nixl.deploy.placement import cpu_list
@@ -200,18 +200,3 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 continue
         kill_leftover_group(pgid)
-
-
-def kill_leftover_group(pgid: int, timeout_s: float = 10.0) -> None:
-    """SIGKILL what is left of process group ``pgid`` (children that outlived their leader)
-    and wait until it is gone, so its ports are free again. Linux does not hand out a PID
-    that is still a live group's ID, so this never reaches an unrelated process."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
