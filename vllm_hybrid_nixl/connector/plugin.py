@@ -2,12 +2,15 @@
 
 vLLM calls every general plugin in every process it starts (API server, engine
 core, workers, Ray actors), so :func:`register` must be cheap and idempotent.  The
-connector module is imported lazily, when vLLM first builds a connector.
+connector module is imported lazily, when vLLM first builds a connector. It also asks
+Linux for AMX tile permission (:mod:`.cpu_amx`): vLLM's CPU attention kernel needs it in a
+decode engine whose first step decodes received KV.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from vllm_hybrid_nixl import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 
@@ -20,6 +23,15 @@ CONNECTORS = {CONNECTOR_NAME: "HybridNixlConnector", PUSH_CONNECTOR_NAME: "Hybri
 def register() -> None:
     """Register ``HybridNixlConnector`` and ``HybridNixlPushConnector`` with vLLM (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_hybrid_nixl.connector.cpu_amx import AmxPermission, request_amx_permission
+
+    if request_amx_permission() is AmxPermission.REFUSED:
+        logger.warning(
+            "vllm-hybrid-nixl: Linux refused AMX tile permission to process %d; vLLM's CPU "
+            "attention may die with SIGILL here",
+            os.getpid(),
+        )
 
     for name, class_name in CONNECTORS.items():
         if name in KVConnectorFactory._registry:
