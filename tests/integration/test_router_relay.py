@@ -1,8 +1,10 @@
-"""The relayed decode stream ends its leg even when Starlette never starts the relay: a
-client gone by the time the response begins (uvicorn's ``send`` raises, ASGI 2.4) would
-otherwise leave the engine connection open and the engine's in-flight count one too high —
-which least-in-flight routing reads for every later request. Real Starlette response
-objects, driven through the ASGI interface the way uvicorn drives them."""
+"""The relayed decode stream ends its leg exactly once however the client behaves: a client
+gone before the first byte, one that leaves mid-stream, or one that reads to the end. A
+leg left open would keep the engine connection (the engine never aborts the request) and
+the engine's in-flight count one too high, which least-in-flight routing reads for every
+later request. The router's real objects (pool, health tracker, metrics, handler), driven
+through the ASGI interface the way uvicorn drives them; the engine side is an async
+iterator of SSE chunks (no engine needed to show the bookkeeping)."""
 
 from __future__ import annotations
 
@@ -10,25 +12,54 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from starlette.requests import ClientDisconnect
 
-from vllm_hybrid_nixl.router.completions import RelayedStream, RelayProgress
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.completions import CompletionHandler, RelayedStream
+from vllm_hybrid_nixl.router.health import HealthTracker
+from vllm_hybrid_nixl.router.leg_http import LegResponse, LegTransportError
+from vllm_hybrid_nixl.router.metrics import RouterMetrics
+from vllm_hybrid_nixl.router.models import ServedModels
+from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.proxy import DecodeAnswer, Disaggregator
+from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}}
 
 
-def relayed(progress: RelayProgress, ended: list[str]) -> RelayedStream:
-    async def relay() -> AsyncIterator[bytes]:
-        progress.began = True
-        try:
-            yield b"data: 1\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            ended.append("relay")
+class Relay:
+    """One relayed stream over real router objects, with what it ended as."""
 
-    return RelayedStream(relay(), progress, lambda: ended.append("unsent"))
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        pool = BackendPool.from_urls(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+        settings = RouterSettings()
+        self.health = HealthTracker(pool.all())
+        self.metrics = RouterMetrics()
+        proxy = Disaggregator(pool, PairingTable(pool.all()), self.health, self.metrics, settings)
+        handler = CompletionHandler(
+            proxy, self.health, self.metrics, ServedModels(pool, 1.0), settings
+        )
+        self.decode = pool.decode[0]
+        proxy.leg_started(self.decode)  # the decode leg is in flight while it streams
+        self.outcomes: list[str] = []
+        answer = DecodeAnswer(
+            pool.prefill[0], self.decode, LegResponse(200, "text/event-stream"), b"data: 0\n\n"
+        )
+        answer.rest = chunks
+        self.stream = RelayedStream(answer, "req-1", handler, self.outcomes.append)
+
+    @property
+    def in_flight(self) -> int:
+        return self.health.in_flight(self.decode)
+
+
+async def tokens(count: int, pause_s: float = 0.0) -> AsyncIterator[bytes]:
+    for index in range(1, count + 1):
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        yield f"data: {index}\n\n".encode()
+    yield b"data: [DONE]\n\n"
 
 
 async def never_disconnects() -> dict:
@@ -36,24 +67,62 @@ async def never_disconnects() -> dict:
     return {"type": "http.disconnect"}
 
 
-def test_a_client_gone_before_the_first_byte_still_ends_the_leg() -> None:
-    progress, ended = RelayProgress(), []
-
-    async def gone(message: dict) -> None:
-        raise OSError("the client closed its connection")  # uvicorn, ASGI 2.4
-
-    with pytest.raises(ClientDisconnect):  # how Starlette reports uvicorn's OSError
-        asyncio.run(relayed(progress, ended)(SCOPE, never_disconnects, gone))
-    assert not progress.began
-    assert ended == ["unsent"]
+async def disconnects_at_once() -> dict:
+    return {"type": "http.disconnect"}
 
 
-def test_a_relay_that_ran_ends_its_leg_once_by_itself() -> None:
-    progress, ended, sent = RelayProgress(), [], []
+def test_a_relay_that_ran_ends_its_leg_once_with_every_chunk_sent() -> None:
+    relay, sent = Relay(tokens(3)), []
 
     async def send(message: dict) -> None:
-        sent.append(message.get("body", b""))
+        sent.append(message)
 
-    asyncio.run(relayed(progress, ended)(SCOPE, never_disconnects, send))
-    assert progress.began and ended == ["relay"]
-    assert b"".join(sent) == b"data: 1\n\ndata: [DONE]\n\n"
+    asyncio.run(relay.stream(SCOPE, never_disconnects, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
+    assert sent[-1]["more_body"] is False
+    assert relay.outcomes == ["ok"] and relay.in_flight == 0
+
+
+def test_a_client_gone_before_the_first_byte_still_ends_the_leg() -> None:
+    relay = Relay(tokens(1000, pause_s=0.01))
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0)
+
+    asyncio.run(relay.stream(SCOPE, disconnects_at_once, send))
+    assert relay.outcomes == ["client_disconnected"] and relay.in_flight == 0
+
+
+def test_a_client_leaving_mid_stream_stops_the_relay_and_ends_the_leg_once() -> None:
+    relay, sent = Relay(tokens(1000, pause_s=0.01)), []
+
+    async def leaves_after_a_while() -> dict:
+        await asyncio.sleep(0.1)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(relay.stream(SCOPE, leaves_after_a_while, send))
+    assert 1 < len(sent) < 1000  # some chunks went out, then the relay stopped
+    assert relay.outcomes == ["client_disconnected"] and relay.in_flight == 0
+    assert relay.metrics.client_disconnects._value.get() == 1
+
+
+def test_a_broken_engine_stream_ends_with_an_error_event_not_silently() -> None:
+    async def breaks() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        raise LegTransportError("unreachable", "engine unreachable: reset", delivered=True)
+
+    relay, sent = Relay(breaks()), []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(relay.stream(SCOPE, never_disconnects, send))
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert b"127.0.0.1" not in body  # engines by name only
+    assert relay.outcomes == ["decode_stream_broken"] and relay.in_flight == 0

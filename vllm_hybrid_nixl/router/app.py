@@ -1,6 +1,10 @@
 """The router's HTTP application: the OpenAI routes (``completions.CompletionHandler``), the
 model list, ``/health`` and ``/metrics``, wired to one engine poller (``probes``), one HTTP
-pool per engine for the legs and one for probes and model lists."""
+pool per engine for the legs and one for probes and model lists.
+
+The two completion routes carry every request and every streamed token, so they are served
+by :class:`HotRoutes` in front of FastAPI, without its middleware and routing layers, which
+the rest (model list, probes, metrics, 404/405 answers, lifespan) still goes through."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -32,10 +37,32 @@ __all__ = ["RouterKeys", "RouterSettings", "build_app"]
 logger = logging.getLogger(__name__)
 
 
+class HotRoutes:
+    """ASGI app: ``POST /v1/completions`` and ``POST /v1/chat/completions`` straight to the
+    handler; everything else to ``app``."""
+
+    ROUTES = {
+        "/v1/completions": ("/v1/completions", "completions"),
+        "/v1/chat/completions": ("/v1/chat/completions", "chat"),
+    }
+
+    def __init__(self, app: FastAPI, handler: CompletionHandler) -> None:
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        response = await self.handler.handle(*route, Request(scope, receive))
+        await response(scope, receive, send)
+
+
 def build_app(
     pool: BackendPool, settings: RouterSettings | None = None, keys: RouterKeys | None = None
-) -> FastAPI:
-    """The router for ``pool``; ``keys`` default to none (no client or engine key)."""
+) -> ASGIApp:
+    """The router's ASGI app for ``pool``; ``keys`` default to none (no client or engine
+    key)."""
     settings = settings or RouterSettings()
     keys = keys or RouterKeys()
     metrics = RouterMetrics()
@@ -54,10 +81,6 @@ def build_app(
     app = FastAPI(
         title="vllm-hybrid-nixl router", lifespan=lifespan(proxy, probes, metrics, settings, keys)
     )
-    if keys.api_key:
-        app.add_middleware(
-            BearerAuthMiddleware, api_key=keys.api_key, protect_probes=settings.protect_probes
-        )
     app.state.metrics, app.state.pool, app.state.pairing = metrics, pool, pairing
     app.state.health = health
 
@@ -67,8 +90,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await handler.handle("/v1/chat/completions", "chat", request)
 
-    # The hot routes as plain Starlette routes: FastAPI's dependency solving (it parses the
-    # query string of every request) showed in py-spy's profile of the router under load.
+    # Served by HotRoutes; registered here too for the 405 on other methods.
     app.router.add_route("/v1/completions", completions, methods=["POST"])
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
@@ -84,7 +106,12 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    front: ASGIApp = HotRoutes(app, handler)
+    if keys.api_key:
+        front = BearerAuthMiddleware(
+            front, api_key=keys.api_key, protect_probes=settings.protect_probes
+        )
+    return front
 
 
 def lifespan(

@@ -10,13 +10,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from vllm_hybrid_nixl.router.backends import NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
@@ -24,7 +23,7 @@ from vllm_hybrid_nixl.router.leg_http import LegTransportError
 from vllm_hybrid_nixl.router.limits import MAX_JSON_DEPTH, BodyRejected, nested_too_deep, read_body
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.models import ServedModels
-from vllm_hybrid_nixl.router.proxy import Disaggregator, LegError, NoEngineError
+from vllm_hybrid_nixl.router.proxy import DecodeAnswer, Disaggregator, LegError, NoEngineError
 from vllm_hybrid_nixl.router.responses import error_response, leg_error_response, stream_error_event
 from vllm_hybrid_nixl.router.settings import RouterSettings
 from vllm_hybrid_nixl.router.validation import request_problem
@@ -38,37 +37,78 @@ class BadRequest(Exception):
         self.response = response
 
 
-async def until_disconnected(request: Request) -> None:
+async def until_disconnected(receive: Any) -> None:
     """Returns when the client closes its connection (the body was read already)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
 
-@dataclass
-class RelayProgress:
-    began: bool = False
-
-
-class RelayedStream(StreamingResponse):
-    """The relayed decode stream. Starlette never starts the relay when the client is gone
-    by the time the response begins (its send fails, or the disconnect wins the race); the
-    relay's own ``finally`` then never runs, so ``unsent`` ends the leg instead: its engine
-    connection closed, its in-flight count returned (which least-in-flight routing reads)."""
+class RelayedStream:
+    """The decode engine's stream as an ASGI response, relayed chunk by chunk straight to
+    the server's ``send``: the relay is the router's hottest loop (one pass per token of
+    every stream), so nothing else runs per chunk. A client that leaves, before the relay began or
+    during it, cancels the relay: the engine connection is closed (the engine aborts the
+    request) and the leg's in-flight count returned (least-in-flight routing reads it). A
+    stream that breaks ends with an error event, never silently."""
 
     def __init__(
-        self, chunks: AsyncIterator[bytes], progress: RelayProgress, unsent: Callable[[], None]
+        self,
+        answer: DecodeAnswer,
+        request_id: str,
+        handler: CompletionHandler,
+        finish: Callable[[str], None],
     ) -> None:
-        super().__init__(chunks, media_type="text/event-stream")
-        self._progress, self._unsent = progress, unsent
+        self.answer, self.request_id, self.handler = answer, request_id, handler
+        self.finish = finish
+        self.outcome = "ok"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relay = asyncio.ensure_future(self.relay(send))
+        gone = asyncio.ensure_future(until_disconnected(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not self._progress.began:
-                self._unsent()
+            gone.cancel()
+            if not relay.done():  # the client left (or the server is stopping)
+                relay.cancel()
+                self.outcome = "client_disconnected"
+                self.handler.metrics.client_disconnects.inc()
+            try:
+                with suppress(asyncio.CancelledError):
+                    await relay
+            finally:  # also when the relay was cancelled before it ran at all
+                self.answer.response.close()  # an unfinished stream: the engine aborts it
+                self.handler.proxy.leg_ended(self.answer.decode)
+                self.finish(self.outcome)
+
+    async def relay(self, send: Any) -> None:
+        answer = self.answer
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.body", "body": answer.first, "more_body": True})
+            async for chunk in answer.rest:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except LegTransportError as exc:
+            self.outcome = "decode_stream_broken"
+            self.handler.health.record_failure(answer.decode, f"stream broke: {exc.detail}")
+            logger.warning(
+                "request %s: decode stream from %s broke: %s",
+                self.request_id,
+                answer.decode.url,
+                exc.detail,
+            )
+            cause = type(exc.__cause__ or exc).__name__
+            event = stream_error_event(
+                f"decode leg failed on engine {answer.decode.label} while streaming: "
+                f"{cause}; the answer is incomplete (request id {self.request_id})"
+            )
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 class CompletionHandler:
@@ -85,7 +125,7 @@ class CompletionHandler:
         self.proxy, self.health, self.metrics = proxy, health, metrics
         self.models, self.settings = models, settings
 
-    async def handle(self, path: str, endpoint: str, request: Request) -> Response:
+    async def handle(self, path: str, endpoint: str, request: Request) -> Response | RelayedStream:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
         try:
@@ -101,7 +141,7 @@ class CompletionHandler:
 
         self.metrics.in_flight.inc()
         legs = asyncio.create_task(self.proxy.run(path, body))
-        gone = asyncio.create_task(until_disconnected(request))
+        gone = asyncio.create_task(until_disconnected(request.receive))
         try:
             await asyncio.wait({legs, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -122,15 +162,7 @@ class CompletionHandler:
             return Response(
                 answer.response.body, status_code=200, media_type=answer.response.content_type
             )
-        progress = RelayProgress()
-
-        def unsent() -> None:  # the client left before the relay began
-            answer.response.close()
-            self.proxy.leg_ended(answer.decode)
-            self.metrics.client_disconnects.inc()
-            finish("client_disconnected")
-
-        return RelayedStream(self.relay(answer, request_id, finish, progress), progress, unsent)
+        return RelayedStream(answer, request_id, self, finish)
 
     async def checked_body(self, endpoint: str, request: Request) -> Any:
         """The parsed body, or BadRequest carrying the 4xx to send."""
@@ -187,40 +219,3 @@ class CompletionHandler:
             "router_error",
             request_id=request_id,
         )
-
-    async def relay(
-        self,
-        answer: Any,
-        request_id: str,
-        finish: Callable[[str], None],
-        progress: RelayProgress,
-    ) -> AsyncIterator[bytes]:
-        """The decode engine's stream, chunk by chunk; an error event if it breaks."""
-        progress.began = True
-        outcome = "ok"
-        try:
-            yield answer.first
-            async for chunk in answer.rest:
-                yield chunk
-        except LegTransportError as exc:
-            outcome = "decode_stream_broken"
-            self.health.record_failure(answer.decode, f"stream broke: {exc.detail}")
-            logger.warning(
-                "request %s: decode stream from %s broke: %s",
-                request_id,
-                answer.decode.url,
-                exc.detail,
-            )
-            cause = type(exc.__cause__ or exc).__name__
-            yield stream_error_event(
-                f"decode leg failed on engine {answer.decode.label} while streaming: "
-                f"{cause}; the answer is incomplete (request id {request_id})"
-            )
-        except asyncio.CancelledError:
-            outcome = "client_disconnected"
-            self.metrics.client_disconnects.inc()
-            raise
-        finally:
-            answer.response.close()  # closing an unfinished stream aborts it on the engine
-            self.proxy.leg_ended(answer.decode)
-            finish(outcome)
