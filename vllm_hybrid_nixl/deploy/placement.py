@@ -9,6 +9,22 @@ cores than engines, prefill engines share one set of cores and decode engines an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """This kernel's boot id: the same for every raylet, container and network namespace on
+    one machine, different on every other machine (the hostname when there is none)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
 
 def engine_cores(num_prefill: int, num_decode: int, cores: int) -> tuple[list[int], list[int]]:
     """Cores for the prefill engines and for the decode engines, in engine order."""
@@ -63,3 +79,37 @@ def cpu_list(cores: list[int]) -> str:
         if core is not None:
             start = previous = core
     return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class PlacedEngine:
+    """Where Ray put one engine: its machine (:func:`machine_id`) and the cores its raylet
+    may use (the raylet's CPU affinity)."""
+
+    name: str
+    role: str  # prefill | decode
+    machine: str
+    cores: tuple[int, ...]
+
+
+def core_shares(engines: list[PlacedEngine]) -> dict[str, list[int]]:
+    """Each engine's cores. Engines whose raylets share a machine *and* a core set share
+    those cores, whichever raylet they are on: several raylets on one machine (Ray's local
+    clusters, several containers with one cpuset) would otherwise each hand out the same
+    cores, putting a decode engine on its prefill engine's core (the stall above). Prefill
+    and decode engines of a group get disjoint cores while there are enough
+    (:func:`engine_core_sets`)."""
+    groups: dict[tuple[str, tuple[int, ...]], list[PlacedEngine]] = {}
+    for engine in engines:
+        groups.setdefault((engine.machine, engine.cores), []).append(engine)
+    shares: dict[str, list[int]] = {}
+    for (_, cores), placed in groups.items():
+        prefill = [e for e in placed if e.role == "prefill"]
+        decode = [e for e in placed if e.role != "prefill"]
+        prefill_sets, decode_sets = engine_core_sets(len(prefill), len(decode), len(cores))
+        for engine, core_set in [
+            *zip(prefill, prefill_sets, strict=True),
+            *zip(decode, decode_sets, strict=True),
+        ]:
+            shares[engine.name] = [cores[i] for i in core_set]
+    return shares

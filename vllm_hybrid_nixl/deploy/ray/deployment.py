@@ -13,7 +13,7 @@ import ray
 
 from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
-from vllm_hybrid_nixl.deploy.placement import engine_core_sets
+from vllm_hybrid_nixl.deploy.placement import PlacedEngine, core_shares
 from vllm_hybrid_nixl.deploy.ray.actors import EngineActor
 from vllm_hybrid_nixl.deploy.ray.config import ConfigError, PDConfig
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -236,25 +236,15 @@ class PDDeployment:
             )
 
     def _cores_per_engine(self) -> dict[str, list[int]]:
-        """Each engine's share of the cores of the node Ray placed it on (prefill and decode
-        engines of one node on disjoint cores while there are enough)."""
+        """Each engine's share of the cores of the machine Ray placed it on (prefill and
+        decode engines of one machine on disjoint cores while there are enough, whichever
+        raylets they are on: :func:`placement.core_shares`)."""
         facts = ray.get([e.actor.node_facts.remote() for e in self.engines], timeout=120)
-        by_node: dict[str, list[tuple[EngineHandle, list[int]]]] = {}
-        for engine, (node_id, cores) in zip(self.engines, facts, strict=True):
-            by_node.setdefault(node_id, []).append((engine, cores))
-        shares: dict[str, list[int]] = {}
-        for placed in by_node.values():
-            prefill = [e for e, _ in placed if e.role == "prefill"]
-            decode = [e for e, _ in placed if e.role == "decode"]
-            cores = placed[0][1]
-            prefill_sets, decode_sets = engine_core_sets(len(prefill), len(decode), len(cores))
-            pairs = [
-                *zip(prefill, prefill_sets, strict=True),
-                *zip(decode, decode_sets, strict=True),
-            ]
-            for engine, core_set in pairs:
-                shares[engine.name] = [cores[i] for i in core_set]
-        return shares
+        placed = [
+            PlacedEngine(engine.name, engine.role, machine, tuple(cores))
+            for engine, (_, cores, machine) in zip(self.engines, facts, strict=True)
+        ]
+        return core_shares(placed)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
