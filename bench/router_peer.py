@@ -13,6 +13,10 @@ Headline (worse of concurrency 8 and 32, medians over rounds): ``router_vs_vllm_
 throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``.
 
     python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts-per-slot 6]
+
+Run alone, it also refreshes the two router keys of ``results/latest.json`` (the rest of that
+file stays from the last full ``python -m bench``), with this run's date and commit beside
+them as ``router_peer_date`` and ``router_peer_commit``.
 """
 
 from __future__ import annotations
@@ -249,7 +253,21 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "router_peer.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "router_peer.png")
+    refresh_latest(result["headline"], RESULTS / "latest.json")
     return 0
+
+
+def refresh_latest(headline: dict[str, float], path: Path) -> None:
+    """Put this run's router ratios into ``latest.json``, dated and with their commit."""
+    import datetime as dt
+
+    from bench.__main__ import commit
+
+    latest = json.loads(path.read_text()) if path.exists() else {}
+    latest.update(headline)
+    latest["router_peer_date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    latest["router_peer_commit"] = commit()
+    path.write_text(json.dumps(latest, indent=2))
 
 
 if __name__ == "__main__":
