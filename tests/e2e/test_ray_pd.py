@@ -2,14 +2,15 @@
 this machine), the router in front: placement, correctness, 64 concurrent requests, and
 engines killed by PID while traffic flows (the actors restart them).
 
-The prefill engines are placed on one node and the decode engine on another by custom
-resources; every address the engines advertise is the IP their node registered with Ray
-(127.0.0.2 here), never ``localhost`` or 127.0.0.1. All raylets share that one loopback IP
-(each raylet on its own loopback alias made UCX transfers stall here, a property of UCX on
-aliased loopback, not of the placement under test). Four engines on two cores: the prefill
-engines share one core and the decode engines the other (``placement.engine_cores``);
-with a decode engine sharing a core with a prefill engine, transfers stalled for minutes.
-The deployment runs with keys: the router's for clients, the engines' for the router.
+The prefill engines are placed on one node and the decode engines on another by custom
+resources; each raylet has its own loopback alias (head 127.0.0.2, prefill node
+127.0.0.5, decode node 127.0.0.6), and every address an engine advertises is the IP its
+node registered with Ray, never ``localhost`` or 127.0.0.1. Four engines on two cores,
+across two raylets that may both use cores 0-1: the prefill engines share one core and the
+decode engines the other (``placement.core_shares``). A decode engine on its prefill
+engine's core stalled transfers for seconds to minutes (what was once blamed on the
+aliases). The deployment runs with keys: the router's for clients, the engines' for the
+router.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vllm_hybrid_nixl.router.settings import RouterKeys
 
 pytestmark = pytest.mark.e2e
 
-NODE_IP = "127.0.0.2"
+HEAD_IP, PREFILL_IP, DECODE_IP = "127.0.0.2", "127.0.0.5", "127.0.0.6"
 KEYS = RouterKeys(api_key="sk-ray-router-5e1f", engine_api_key="sk-ray-engines-9b7c")
 ROUTER = {"Authorization": f"Bearer {KEYS.api_key}"}
 ENGINE = KEYS.engine_headers()
@@ -51,10 +52,10 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"node_ip_address": NODE_IP, "num_cpus": 0, "include_dashboard": False},
+        head_node_args={"node_ip_address": HEAD_IP, "num_cpus": 0, "include_dashboard": False},
     )
-    cluster.add_node(node_ip_address=NODE_IP, num_cpus=2, resources={"prefill_node": 2})
-    cluster.add_node(node_ip_address=NODE_IP, num_cpus=2, resources={"decode_node": 2})
+    cluster.add_node(node_ip_address=PREFILL_IP, num_cpus=2, resources={"prefill_node": 2})
+    cluster.add_node(node_ip_address=DECODE_IP, num_cpus=2, resources={"decode_node": 2})
     config = make_config(
         model=str(tiny_hybrid_model),
         num_prefill=2,
@@ -83,6 +84,15 @@ def deployment(tiny_hybrid_model, tmp_path_factory) -> Iterator[PDDeployment]:
         cluster.shutdown()
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-2,5"`` -> ``{0, 1, 2, 5}``."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
 def colocated_url(deployment: PDDeployment) -> str:
     """A prefill engine answers plain requests (no kv_transfer_params) colocated."""
     return deployment.urls("prefill")[0]
@@ -97,16 +107,23 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
         assert wanted in node["Resources"], (engine.name, node["Resources"])
         placed.setdefault(engine.role, set()).add(engine.info["node_id"])
         ip = node["NodeManagerAddress"]
-        assert ip == NODE_IP and engine.info["node_ip"] == ip
+        assert ip == (PREFILL_IP if engine.role == "prefill" else DECODE_IP)
+        assert engine.info["node_ip"] == ip
         assert engine.info["url"].startswith(f"http://{ip}:")
         assert engine.info["side_channel"].startswith(f"{ip}:")
     assert len(placed["prefill"]) == 1 and len(placed["decode"]) == 1
     assert placed["prefill"] != placed["decode"]  # the two roles run on different raylets
     channels = [e.info["side_channel"] for e in deployment.engines]
     assert len(set(channels)) == len(channels)
+    cores: dict[str, set[int]] = {"prefill": set(), "decode": set()}
     for e in deployment.engines:  # idle connections outlast the router's pool (keepalive.py)
         environ = Path(f"/proc/{e.info['pid']}/environ").read_bytes().split(b"\0")
         assert f"{KEEP_ALIVE_VAR}={ENGINE_KEEP_ALIVE_S}".encode() in environ, e.name
+        bind = [v for v in environ if v.startswith(b"VLLM_CPU_OMP_THREADS_BIND=")]
+        assert bind, f"{e.name} was given no cores"
+        cores[e.role] |= parse_cpu_list(bind[0].split(b"=", 1)[1].decode())
+    # the two raylets may both use every core; the roles still never share one
+    assert cores["prefill"] and cores["decode"] and not cores["prefill"] & cores["decode"], cores
 
 
 def test_router_health_lists_every_engine(deployment: PDDeployment) -> None:
