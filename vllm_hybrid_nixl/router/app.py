@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 
 import httpx
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_hybrid_nixl.router.auth import BearerAuthMiddleware
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.completions import CompletionHandler
+from vllm_hybrid_nixl.router.completions import CompletionHandler, RelayedStream
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegClient
 from vllm_hybrid_nixl.router.loop_lag import watch_loop_lag
@@ -41,21 +41,29 @@ class HotRoutes:
     """ASGI app: ``POST /v1/completions`` and ``POST /v1/chat/completions`` straight to the
     handler; everything else to ``app``."""
 
-    ROUTES = {
-        "/v1/completions": ("/v1/completions", "completions"),
-        "/v1/chat/completions": ("/v1/chat/completions", "chat"),
-    }
+    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # -> endpoint
 
     def __init__(self, app: FastAPI, handler: CompletionHandler) -> None:
         self.app, self.handler = app, handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.ROUTES.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None or scope["method"] != "POST":
+        endpoint = self.ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        response = await self.handler.handle(*route, Request(scope, receive))
+        response = await self.handler.handle(scope["path"], endpoint, Request(scope, receive))
         await response(scope, receive, send)
+
+
+def routed(
+    handler: CompletionHandler, path: str, endpoint: str
+) -> Callable[[Request], Awaitable[Response | RelayedStream]]:
+    """A Starlette endpoint for one completion route (what FastAPI would serve it with)."""
+
+    async def serve(request: Request) -> Response | RelayedStream:
+        return await handler.handle(path, endpoint, request)
+
+    return serve
 
 
 def build_app(
@@ -81,18 +89,10 @@ def build_app(
     app = FastAPI(
         title="vllm-hybrid-nixl router", lifespan=lifespan(proxy, probes, metrics, settings, keys)
     )
-    app.state.metrics, app.state.pool, app.state.pairing = metrics, pool, pairing
-    app.state.health = health
-
-    async def completions(request: Request) -> Response:
-        return await handler.handle("/v1/completions", "completions", request)
-
-    async def chat_completions(request: Request) -> Response:
-        return await handler.handle("/v1/chat/completions", "chat", request)
 
     # Served by HotRoutes; registered here too for the 405 on other methods.
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
-    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    for path, endpoint in HotRoutes.ROUTES.items():
+        app.router.add_route(path, routed(handler, path, endpoint), methods=["POST"])
 
     @app.get("/v1/models")
     async def list_models() -> Response:

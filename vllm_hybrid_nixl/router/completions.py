@@ -45,6 +45,17 @@ async def until_disconnected(receive: Any) -> None:
             return
 
 
+async def client_left_first(work: asyncio.Future[Any], receive: Any) -> bool:
+    """Wait for ``work`` or the client's disconnect, whichever comes first; True when the
+    client left while ``work`` was still running (``work`` is left to the caller)."""
+    gone = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    return not work.done()
+
+
 class RelayedStream:
     """The decode engine's stream as an ASGI response, relayed chunk by chunk straight to
     the server's ``send``: the relay is the router's hottest loop (one pass per token of
@@ -66,11 +77,9 @@ class RelayedStream:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         relay = asyncio.ensure_future(self.relay(send))
-        gone = asyncio.ensure_future(until_disconnected(receive))
         try:
-            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await client_left_first(relay, receive)
         finally:
-            gone.cancel()
             if not relay.done():  # the client left (or the server is stopping)
                 relay.cancel()
                 self.outcome = "client_disconnected"
@@ -141,12 +150,7 @@ class CompletionHandler:
 
         self.metrics.in_flight.inc()
         legs = asyncio.create_task(self.proxy.run(path, body))
-        gone = asyncio.create_task(until_disconnected(request.receive))
-        try:
-            await asyncio.wait({legs, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not legs.done():  # the client left: abort the legs (engines abort on disconnect)
+        if await client_left_first(legs, request.receive):  # abort the legs (engines abort)
             legs.cancel()
             with suppress(BaseException):
                 await legs
