@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+
+from vllm_hybrid_nixl.deploy.engines import EngineProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -68,3 +72,49 @@ def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-hybrid"), TinyModelSpec())
+
+
+def engines_among(values: Iterable[object], depth: int = 2) -> Iterator[EngineProcess]:
+    """The :class:`EngineProcess` objects among a test's fixture values, looking one or two
+    levels into dataclasses, lists, tuples and dicts (``PdPair``, lists of engines)."""
+    for value in values:
+        if isinstance(value, EngineProcess):
+            yield value
+        elif depth > 0:
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                inner = [getattr(value, field.name) for field in dataclasses.fields(value)]
+            elif isinstance(value, list | tuple):
+                inner = list(value)
+            elif isinstance(value, dict):
+                inner = list(value.values())
+            else:
+                continue
+            yield from engines_among(inner, depth - 1)
+
+
+def log_excerpt(engine: EngineProcess, tail_lines: int = 30, notable_lines: int = 60) -> str:
+    """What explains an engine's failure: its warnings, errors and tracebacks, then its last
+    lines (the log path is in the section title)."""
+    lines = engine.log_text().splitlines()
+    notable = [line for line in lines if NOTABLE_LOG_LINE.search(line)][-notable_lines:]
+    return "\n".join([*notable, "--- last lines ---", *lines[-tail_lines:]])
+
+
+NOTABLE_LOG_LINE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback|Error:|Fatal")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """A failed engine test's report carries excerpts of its engines' logs, so a failure in
+    CI, where the logs are gone with the machine, still says what the engines saw."""
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        fixtures = getattr(item, "funcargs", {}) or {}
+        seen: set[int] = set()
+        for engine in engines_among(fixtures.values()):
+            if id(engine) in seen:
+                continue
+            seen.add(id(engine))
+            title = f"engine log: {engine.spec.role} on :{engine.spec.port} ({engine.log_path})"
+            report.sections.append((title, log_excerpt(engine)))
+    return report
