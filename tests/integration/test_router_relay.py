@@ -4,12 +4,13 @@ leg left open would keep the engine connection (the engine never aborts the requ
 the engine's in-flight count one too high, which least-in-flight routing reads for every
 later request. The router's real objects (pool, health tracker, metrics, handler), driven
 through the ASGI interface the way uvicorn drives them; the engine side is an async
-iterator of SSE chunks (no engine needed to show the bookkeeping)."""
+iterator of SSE chunks, read a chunk per await as the relay reads an engine's stream (no
+engine needed to show the bookkeeping)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -46,12 +47,21 @@ class Relay:
         answer = DecodeAnswer(
             pool.prefill[0], self.decode, LegResponse(200, "text/event-stream"), b"data: 0\n\n"
         )
-        answer.rest = chunks
+        answer.next_chunk = chunk_reader(chunks)
         self.stream = RelayedStream(answer, "req-1", handler, self.outcomes.append)
 
     @property
     def in_flight(self) -> int:
         return self.health.in_flight(self.decode)
+
+
+def chunk_reader(chunks: AsyncIterator[bytes]) -> Callable[[], Awaitable[bytes]]:
+    """``chunks`` read the way ``LegResponse.next_chunk`` reads a stream: ``b""`` at its end."""
+
+    async def next_chunk() -> bytes:
+        return await anext(chunks, b"")
+
+    return next_chunk
 
 
 async def tokens(count: int, pause_s: float = 0.0) -> AsyncIterator[bytes]:

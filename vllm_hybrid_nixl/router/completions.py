@@ -97,7 +97,8 @@ class RelayedStream:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await send({"type": "http.response.body", "body": answer.first, "more_body": True})
-            async for chunk in answer.rest:
+            read = answer.next_chunk
+            while read is not None and (chunk := await read()):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except LegTransportError as exc:
             self.outcome = "decode_stream_broken"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +48,7 @@ LEG_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
 @dataclass
 class LegResponse:
     """An engine's answer: status and content type; the whole body, or (a 200 stream) the
-    open response to read with :meth:`chunks` and end with :meth:`close`."""
+    open response to read with :meth:`next_chunk` and end with :meth:`close`."""
 
     status: int
     content_type: str
@@ -63,13 +62,13 @@ class LegResponse:
     def text(self) -> str:
         return self.body.decode("utf-8", "replace")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The stream's bytes as they arrive; raises :class:`LegTransportError` if it breaks."""
+    async def next_chunk(self) -> bytes:
+        """The stream's next bytes as they arrive, ``b""`` at its end (one await per chunk: the
+        relay calls this for every token); raises :class:`LegTransportError` if it breaks."""
         if self.stream is None:
-            return
+            return b""
         try:
-            async for chunk in self.stream.content.iter_any():
-                yield chunk
+            return await self.stream.content.readany()
         except LEG_FAILURES as exc:
             raise transport_error(exc) from exc
 

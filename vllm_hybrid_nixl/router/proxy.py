@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,19 +144,19 @@ class DecodeAnswer:
     decode: Backend
     response: LegResponse  # 200; a stream still open when the client asked for one
     first: bytes = b""  # streams: the first event, already read (nothing sent to the client)
-    rest: AsyncIterator[bytes] | None = None  # streams: what follows it
+    #: streams: what follows it, a chunk per await, ``b""`` at the end
+    next_chunk: Callable[[], Awaitable[bytes]] | None = None
 
 
-async def first_event(response: LegResponse) -> tuple[bytes, AsyncIterator[bytes]]:
-    """Read a stream up to the end of its first server-sent event."""
-    chunks = response.chunks()
+async def first_event(response: LegResponse) -> bytes:
+    """Read a stream up to the end of its first server-sent event (or its end)."""
     buffered = b""
     while b"\n\n" not in buffered:
-        try:
-            buffered += await chunks.__anext__()
-        except StopAsyncIteration:
+        chunk = await response.next_chunk()
+        if not chunk:
             break
-    return buffered, chunks
+        buffered += chunk
+    return buffered
 
 
 def stream_error(event: bytes) -> str | None:
@@ -387,7 +387,7 @@ class Disaggregator:
         load then arrives as the first event. Read that event before the client gets a
         byte, so such a failure can still re-run the whole request."""
         try:
-            first, rest = await first_event(response)
+            first = await first_event(response)
         except LegTransportError as exc:
             response.close()
             raise self._failed(
@@ -405,7 +405,7 @@ class Disaggregator:
                     "decode", decode, 502, f"first event was an error: {message}", "engine_error"
                 )
             )
-        return DecodeAnswer(prefill, decode, response, first, rest)
+        return DecodeAnswer(prefill, decode, response, first, response.next_chunk)
 
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
