@@ -31,12 +31,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.end_to_end import RESULTS
 from bench.router_peer import cpu_seconds, start_vllm_router
+from vllm_hybrid_nixl.deploy.engines import answers_health
 
 TARGETS = ("ours", "vllm_router")
 IDLE_S = 10.0
@@ -196,11 +196,8 @@ def wait_for(url: str, processes: list[subprocess.Popen], timeout_s: float = 60.
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
             raise RuntimeError(f"a process exited before {url} answered")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers_health(url):
+            return
         time.sleep(0.3)
     raise RuntimeError(f"{url} did not answer /health within {timeout_s:.0f} s")
 
