@@ -10,7 +10,7 @@ engine needed to show the bookkeeping)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -44,10 +44,7 @@ class Relay:
         self.decode = pool.decode[0]
         proxy.leg_started(self.decode)  # the decode leg is in flight while it streams
         self.outcomes: list[str] = []
-        answer = DecodeAnswer(
-            pool.prefill[0], self.decode, LegResponse(200, "text/event-stream"), b"data: 0\n\n"
-        )
-        answer.next_chunk = chunk_reader(chunks)
+        answer = DecodeAnswer(pool.prefill[0], self.decode, ScriptedStream(chunks), b"data: 0\n\n")
         self.stream = RelayedStream(answer, "req-1", handler, self.outcomes.append)
 
     @property
@@ -55,13 +52,16 @@ class Relay:
         return self.health.in_flight(self.decode)
 
 
-def chunk_reader(chunks: AsyncIterator[bytes]) -> Callable[[], Awaitable[bytes]]:
-    """``chunks`` read the way ``LegResponse.next_chunk`` reads a stream: ``b""`` at its end."""
+class ScriptedStream(LegResponse):
+    """A decode engine's open 200 stream whose chunks are ``chunks``, read the way
+    ``LegResponse.next_chunk`` reads an engine's: a chunk per await, ``b""`` at the end."""
 
-    async def next_chunk() -> bytes:
-        return await anext(chunks, b"")
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        super().__init__(200, "text/event-stream")
+        self.chunks = chunks
 
-    return next_chunk
+    async def next_chunk(self) -> bytes:
+        return await anext(self.chunks, b"")
 
 
 async def tokens(count: int, pause_s: float = 0.0) -> AsyncIterator[bytes]:

@@ -97,8 +97,8 @@ class RelayedStream:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await send({"type": "http.response.body", "body": answer.first, "more_body": True})
-            read = answer.next_chunk
-            while read is not None and (chunk := await read()):
+            read = answer.response.next_chunk  # what follows the first event
+            while chunk := await read():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except LegTransportError as exc:
             self.outcome = "decode_stream_broken"

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +144,6 @@ class DecodeAnswer:
     decode: Backend
     response: LegResponse  # 200; a stream still open when the client asked for one
     first: bytes = b""  # streams: the first event, already read (nothing sent to the client)
-    #: streams: what follows it, a chunk per await, ``b""`` at the end
-    next_chunk: Callable[[], Awaitable[bytes]] | None = None
 
 
 async def first_event(response: LegResponse) -> bytes:
@@ -405,7 +403,7 @@ class Disaggregator:
                     "decode", decode, 502, f"first event was an error: {message}", "engine_error"
                 )
             )
-        return DecodeAnswer(prefill, decode, response, first, response.next_chunk)
+        return DecodeAnswer(prefill, decode, response, first)
 
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
