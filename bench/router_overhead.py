@@ -24,6 +24,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,11 +32,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.end_to_end import RESULTS
 from bench.router_peer import cpu_seconds, start_vllm_router
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.processes import die_with_parent
 from vllm_hybrid_nixl.deploy.engines import answers_health
 
 TARGETS = ("ours", "vllm_router")
@@ -111,8 +116,6 @@ async def decode_events(
 
 
 def serve_upstream(port: int, tokens: int, gap_s: float) -> None:
-    import uvicorn
-
     uvicorn.run(
         upstream_app(tokens, gap_s),
         host="127.0.0.1",
@@ -128,8 +131,6 @@ def serve_upstream(port: int, tokens: int, gap_s: float) -> None:
 
 async def closed_loop(url: str, concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
     """``requests`` streamed completions, ``concurrency`` at a time; counts what came back."""
-    import aiohttp
-
     body = {"model": "model-free", "prompt": "hello " * 200, "max_tokens": tokens, "stream": True}
     left, ok, failed = requests, 0, 0
     started = time.perf_counter()
@@ -156,9 +157,6 @@ async def closed_loop(url: str, concurrency: int, requests: int, tokens: int) ->
 @contextmanager
 def upstreams(tokens: int, gap_s: float, log_dir: Path) -> Iterator[tuple[str, str]]:
     """Two model-free servers (prefill, decode), stopped by PID."""
-    from vllm_hybrid_nixl.common.netutil import free_port
-    from vllm_hybrid_nixl.common.processes import die_with_parent
-
     processes, urls = [], []
     try:
         for role in ("prefill", "decode"):
@@ -179,7 +177,7 @@ def upstreams(tokens: int, gap_s: float, log_dir: Path) -> Iterator[tuple[str, s
                         stderr=subprocess.STDOUT,
                         preexec_fn=die_with_parent,
                         cwd=Path(__file__).resolve().parents[1],
-                    )  # fmt: skip
+                    )
                 )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
@@ -204,9 +202,6 @@ def wait_for(url: str, processes: list[subprocess.Popen], timeout_s: float = 60.
 
 @contextmanager
 def our_router(prefill: str, decode: str, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    from vllm_hybrid_nixl.common.netutil import free_port
-    from vllm_hybrid_nixl.common.processes import die_with_parent
-
     port = free_port()
     script = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
     with open(log, "wb") as out:
@@ -308,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=15.0, help="between decode events")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         result = run(
             args.concurrency, args.requests, args.rounds, args.tokens, args.gap_ms / 1000, Path(tmp)
