@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = None
     if not args.smoke:
         print("== our router against vllm-router", file=sys.stderr, flush=True)
-        peer = router_peer.run([1, 8, 32], 3, 6)
+        peer = router_peer.run([1, 8, 32], 3, 12)
     suffix = "_smoke" if args.smoke else ""
     for name, data in (
         ("registration_cost", registration),

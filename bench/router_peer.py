@@ -9,10 +9,14 @@ with the order of targets rotated every round, so machine noise hits all alike. 
 process's CPU seconds (user + system, the kernel's per-process accounting over all its
 threads) are read before and after each run: CPU seconds per request.
 
-Headline (worse of concurrency 8 and 32, medians over rounds): ``router_vs_vllm_router_
-throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``.
+Figures per (target, concurrency) pool every round's requests: output tokens/s is all output
+tokens over all run time, TTFT and end-to-end latency percentiles are over every request's own
+value (``--save-detailed``), so a p99 rests on hundreds of requests rather than on the worst
+two of one run. Headline (worse of concurrency 8 and 32): ``router_vs_vllm_router_
+throughput`` (ours / peer, output tokens/s) and ``router_vs_vllm_router_p99_ttft``. Each run's
+own figures stay in ``runs`` (the round-to-round spread).
 
-    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts-per-slot 6]
+    python -m bench.router_peer [--concurrency 1 8 32] [--rounds 3] [--prompts-per-slot 12]
 
 Run alone, it also refreshes the two router keys of ``results/latest.json`` (the rest of that
 file stays from the last full ``python -m bench``), with this run's date and commit beside
@@ -85,7 +89,7 @@ def bench_serve(url: str, model: str, concurrency: int, prompts: int, out: Path)
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(out),
         "--result-filename", name, "--percentile-metrics", "ttft,itl,e2el",
-        "--metric-percentiles", "50,99",
+        "--metric-percentiles", "50,99", "--save-detailed",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -120,6 +124,10 @@ def measure(
                         "ttft_p50_ms": result["median_ttft_ms"],
                         "ttft_p99_ms": result["p99_ttft_ms"],
                         "e2el_p50_ms": result["median_e2el_ms"],
+                        "duration_s": result["duration"],
+                        "output_tokens": result["total_output_tokens"],
+                        "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
+                        "e2els_ms": [t * 1e3 for t in result["e2els"] if t],
                         "router_cpu_s_per_request": (
                             spent[target] / max(result["completed"], 1) if target in spent else None
                         ),
@@ -135,22 +143,45 @@ def measure(
     return runs
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, linear between the nearest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """One (target, concurrency)'s runs as one: tokens over time, percentiles over requests."""
+    ttfts = [t for r in runs for t in r["ttfts_ms"]]
+    e2els = [t for r in runs for t in r["e2els_ms"]]
+    row = {
+        "output_tokens_per_s": sum(r["output_tokens"] for r in runs)
+        / sum(r["duration_s"] for r in runs),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "e2el_p50_ms": percentile(e2els, 50),
+        "requests": len(ttfts),
+    }
+    cpu = [r["router_cpu_s_per_request"] for r in runs if r["router_cpu_s_per_request"]]
+    if cpu:
+        row["router_cpu_ms_per_request"] = statistics.median(cpu) * 1e3
+    return row
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over rounds per (target, concurrency), and the headline ratios."""
+    """Pooled figures per (target, concurrency), and the headline ratios."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     for run in runs:
         table.setdefault(str(run["concurrency"]), {}).setdefault(run["target"], {})
     for c, targets in table.items():
         for target in targets:
-            mine = [r for r in runs if str(r["concurrency"]) == c and r["target"] == target]
-            row = {
-                key: statistics.median(r[key] for r in mine)
-                for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2el_p50_ms")
-            }
-            cpu = [r["router_cpu_s_per_request"] for r in mine if r["router_cpu_s_per_request"]]
-            if cpu:
-                row["router_cpu_ms_per_request"] = statistics.median(cpu) * 1e3
-            targets[target] = row
+            targets[target] = pooled(
+                [r for r in runs if str(r["concurrency"]) == c and r["target"] == target]
+            )
     headline: dict[str, float] = {}
     both = [str(c) for c in HEADLINE_CONCURRENCY if str(c) in table]
     if both:
@@ -195,7 +226,7 @@ def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The comparison as Markdown: medians over rounds per concurrency and target."""
+    """The comparison as Markdown: every round pooled, per concurrency and target."""
     lines = [
         "| router comparison: concurrent | target | output tok/s | TTFT p50 ms | TTFT p99 ms "
         "| E2E p50 ms | router CPU ms / request |",
@@ -245,7 +276,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts-per-slot", type=int, default=6)
+    parser.add_argument("--prompts-per-slot", type=int, default=12)
     args = parser.parse_args()
     result = run(args.concurrency, args.rounds, args.prompts_per_slot)
     print(table(result))

@@ -47,6 +47,8 @@ DEFAULT_LEASE_S = 30.0
 #: After a prefill engine's lease service failed to answer, pins to it are refused at once
 #: for this long instead of stalling the decode engine core for the timeout every step.
 UNREACHABLE_HOLD_S = 10.0
+#: A pin slower than this is logged: the decode engine core waits for it every step it pins.
+SLOW_PIN_S = 0.1
 #: Refusals a decode worker hands from its scheduler, on vLLM's connector metadata.
 REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 
@@ -248,6 +250,15 @@ class LeaseHolderMixin:
             try:
                 answers = ask(address, "pin", remote_reqs, self._lease_timeout_s)
                 self._unreachable.pop(address, None)
+                waited = time.monotonic() - now
+                if waited > SLOW_PIN_S:
+                    logger.warning(
+                        "vllm-hybrid-nixl: pinning %d lease(s) at %s took %.0f ms (the decode "
+                        "engine core waits for it)",
+                        len(remote_reqs),
+                        address.endpoint,
+                        waited * 1e3,
+                    )
                 return answers
             except LeaseUnreachable as exc:
                 failed = (now, str(exc))

@@ -1,0 +1,63 @@
+"""How ``bench.router_peer`` turns runs of ``vllm bench serve`` into its table and headline:
+every round's requests pooled per (target, concurrency), the headline the worse of 8 and 32."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.router_peer import percentile, summarize
+
+
+def run(target: str, concurrency: int, ttfts: list[float], tokens: int, seconds: float) -> dict:
+    return {
+        "target": target,
+        "concurrency": concurrency,
+        "duration_s": seconds,
+        "output_tokens": tokens,
+        "ttfts_ms": ttfts,
+        "e2els_ms": [t + 100 for t in ttfts],
+        "router_cpu_s_per_request": 0.002 if target != "decode_alone" else None,
+    }
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert percentile([10.0, 20.0], 50) == pytest.approx(15.0)
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_rounds_are_pooled_not_averaged() -> None:
+    """Two rounds of 100 requests: one quiet, one with two stalled requests; the pooled p99
+    weighs the stalls at their real share (2 in 200, not 2 in 100), and throughput is tokens
+    over the summed run time."""
+    quiet = [100.0] * 100
+    stalled = [100.0] * 98 + [3000.0] * 2
+    runs = [
+        run("ours", 8, quiet, 3200, 4.0),
+        run("ours", 8, stalled, 3200, 12.0),
+        run("vllm_router", 8, quiet, 3200, 8.0),
+        run("vllm_router", 8, quiet, 3200, 8.0),
+    ]
+    result = summarize(runs)
+    ours = result["by_concurrency"]["8"]["ours"]
+    assert ours["output_tokens_per_s"] == pytest.approx(6400 / 16.0)
+    assert ours["requests"] == 200
+    # rank 0.99 * 199 = 197.01: 1% of the way from the last quiet request to the first stall
+    assert ours["ttft_p99_ms"] == pytest.approx(100.0 + 0.01 * 2900.0)
+    assert ours["router_cpu_ms_per_request"] == pytest.approx(2.0)
+    # only concurrency 8 ran: the headline is that one's ratio
+    assert result["headline"]["router_vs_vllm_router_throughput"] == pytest.approx(1.0)
+
+
+def test_headline_is_the_worse_of_8_and_32() -> None:
+    runs = [
+        run("ours", 8, [100.0] * 10, 1000, 1.0),
+        run("vllm_router", 8, [200.0] * 10, 1000, 2.0),
+        run("ours", 32, [300.0] * 10, 1000, 4.0),
+        run("vllm_router", 32, [200.0] * 10, 1000, 2.0),
+        run("ours", 1, [900.0] * 10, 10, 10.0),  # concurrency 1 is reported, not a headline
+        run("vllm_router", 1, [100.0] * 10, 100, 1.0),
+    ]
+    headline = summarize(runs)["headline"]
+    assert headline["router_vs_vllm_router_throughput"] == pytest.approx(0.5)
+    assert headline["router_vs_vllm_router_p99_ttft"] == pytest.approx(1.5)
