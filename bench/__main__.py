@@ -232,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    suffix = "_smoke" if args.smoke else ""
+
+    def save(name: str, data: Any) -> None:
+        """Write a section's results as soon as it ends (a later failure loses only its own)."""
+        (out / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
+
     print("== registration cost", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         layers, repeats = ([8], 1) if args.smoke else ([8, 64, 256], 5)
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 mamba_layers, repeats, Path(tmp), arch=registration_cost.MAMBA_ARCH
             )
         )
+    save("registration_cost", registration)
     print("== KV transfer", file=sys.stderr, flush=True)
     if args.smoke:
         moved = transfer.measure(4 << 20, 1, [64 << 10, 1 << 20], [1, 2])
@@ -249,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         moved = transfer.measure(64 << 20, 5, transfer.BLOCK_SIZES, [1, 2, 4])
         print("== UCX transports", file=sys.stderr, flush=True)
         moved["ucx"] = transfer.compare_ucx(16 << 20, 3, [256 << 10, 1 << 20], transfer.UCX_CHOICES)
+    save("transfer", moved)
     print("== KV transfer between registered workers (ours, stock)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         workers = worker_transfer.measure(
             8 if args.smoke else 64, 1 if args.smoke else 5, Path(tmp)
         )
+    save("worker_transfer", workers)
     print("== end to end", file=sys.stderr, flush=True)
     e2e = end_to_end.run(
         [1] if args.smoke else [1, 8, 32],
@@ -261,20 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         8 if args.smoke else 16,
         scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
     )
+    save("end_to_end", e2e)
     peer = None
     if not args.smoke:
         print("== our router against vllm-router", file=sys.stderr, flush=True)
         peer = router_peer.run([1, 8, 32], 3, 12)
-    suffix = "_smoke" if args.smoke else ""
-    for name, data in (
-        ("registration_cost", registration),
-        ("transfer", moved),
-        ("worker_transfer", workers),
-        ("end_to_end", e2e),
-        ("router_peer", peer),
-    ):
-        if data is not None:
-            (out / f"{name}{suffix}.json").write_text(json.dumps(data, indent=2))
+        save("router_peer", peer)
     top = headline(registration, moved, e2e, workers, peer)
     top["wall_s"] = round(time.monotonic() - started)
     (out / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))

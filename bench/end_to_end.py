@@ -184,6 +184,21 @@ def count_tokens(url: str, model: str, prompt: str) -> int:
     return int(response.json()["count"])
 
 
+def wait_for_health(url: str, processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """Return once ``url``/health answers 200; raise if one of ``processes`` exits first or
+    the time runs out."""
+    from vllm_hybrid_nixl.deploy.engines import answers_health
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError(f"a process exited before {url} answered")
+        if answers_health(url):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer /health within {timeout_s:.0f} s")
+
+
 def start_stack(
     model: str, log_dir: Path, kv_extra_config: dict | None = None, with_router_pid: bool = False
 ):
@@ -230,14 +245,13 @@ def start_stack(
         "decode": engines[1].spec.url,
         "router": f"http://127.0.0.1:{port}",
     }
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{urls['router']}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    try:
+        wait_for_health(urls["router"], [router])
+    except RuntimeError:
+        router.kill()
+        for engine in engines:
+            engine.stop()
+        raise RuntimeError(f"the router did not come up; see {log_dir / 'router.log'}") from None
 
     def stop() -> None:
         router.terminate()

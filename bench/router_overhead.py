@@ -37,11 +37,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.end_to_end import RESULTS
+from bench.end_to_end import RESULTS, wait_for_health
 from bench.router_peer import cpu_seconds, start_vllm_router
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.common.processes import die_with_parent
-from vllm_hybrid_nixl.deploy.engines import answers_health
 
 TARGETS = ("ours", "vllm_router")
 IDLE_S = 10.0
@@ -181,23 +180,12 @@ def upstreams(tokens: int, gap_s: float, log_dir: Path) -> Iterator[tuple[str, s
                 )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            wait_for(url, processes)
+            wait_for_health(url, processes)
         yield urls[0], urls[1]
     finally:
         for process in processes:
             process.terminate()
             process.wait(timeout=20)
-
-
-def wait_for(url: str, processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            raise RuntimeError(f"a process exited before {url} answered")
-        if answers_health(url):
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer /health within {timeout_s:.0f} s")
 
 
 @contextmanager
@@ -212,7 +200,7 @@ def our_router(prefill: str, decode: str, log: Path) -> Iterator[tuple[subproces
         )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(url, [process])
+        wait_for_health(url, [process])
         yield process, url
     finally:
         process.terminate()
