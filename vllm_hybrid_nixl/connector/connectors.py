@@ -12,6 +12,7 @@ from typing import Any
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.lease import LeaseHolderMixin
 from vllm_hybrid_nixl.connector.mamba_guard import refuse_unservable_mamba
+from vllm_hybrid_nixl.connector.side_channel import refuse_busy_side_channel
 from vllm_hybrid_nixl.connector.worker import HybridNixlPullWorker, HybridNixlPushWorker
 
 _NIXL = compat.nixl_classes()
@@ -26,6 +27,7 @@ class _HybridWorkerMixin:
         refuse_unservable_mamba(vllm_config, kv_cache_config)
         if role != _NIXL.connector_role.WORKER:
             super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+            refuse_busy_side_channel(getattr(self, "connector_scheduler", None))
             return
         # Skip the stock subclass constructor, which would build (and register a
         # NIXL agent for) the stock worker; the shared base does the config checks.
