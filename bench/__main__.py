@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +226,15 @@ def plot(registration: list[dict], moved: dict, e2e: dict, path: Path) -> bool:
     return True
 
 
+def in_child(function: Any, *args: Any) -> Any:
+    """``function(*args)`` in a fresh process. NIXL agents keep their progress threads
+    polling after their workers are gone (measured: a full core for the rest of the run after
+    the registration section), so every section that makes agents in this process runs in a
+    child that exits with them, and later sections get the machine's cores back."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -241,26 +252,32 @@ def main(argv: list[str] | None = None) -> int:
     print("== registration cost", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         layers, repeats = ([8], 1) if args.smoke else ([8, 64, 256], 5)
-        registration = [registration_cost.measure(n, repeats, Path(tmp)) for n in layers]
+        registration = [in_child(registration_cost.measure, n, repeats, Path(tmp)) for n in layers]
         mamba_layers = 8 if args.smoke else 64
         registration.append(
-            registration_cost.measure(
-                mamba_layers, repeats, Path(tmp), arch=registration_cost.MAMBA_ARCH
+            in_child(
+                registration_cost.measure,
+                mamba_layers,
+                repeats,
+                Path(tmp),
+                registration_cost.MAMBA_ARCH,
             )
         )
     save("registration_cost", registration)
     print("== KV transfer", file=sys.stderr, flush=True)
     if args.smoke:
-        moved = transfer.measure(4 << 20, 1, [64 << 10, 1 << 20], [1, 2])
+        moved = in_child(transfer.measure, 4 << 20, 1, [64 << 10, 1 << 20], [1, 2])
     else:
-        moved = transfer.measure(64 << 20, 5, transfer.BLOCK_SIZES, [1, 2, 4])
+        moved = in_child(transfer.measure, 64 << 20, 5, transfer.BLOCK_SIZES, [1, 2, 4])
         print("== UCX transports", file=sys.stderr, flush=True)
-        moved["ucx"] = transfer.compare_ucx(16 << 20, 3, [256 << 10, 1 << 20], transfer.UCX_CHOICES)
+        moved["ucx"] = in_child(
+            transfer.compare_ucx, 16 << 20, 3, [256 << 10, 1 << 20], transfer.UCX_CHOICES
+        )
     save("transfer", moved)
     print("== KV transfer between registered workers (ours, stock)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        workers = worker_transfer.measure(
-            8 if args.smoke else 64, 1 if args.smoke else 5, Path(tmp)
+        workers = in_child(
+            worker_transfer.measure, 8 if args.smoke else 64, 1 if args.smoke else 5, Path(tmp)
         )
     save("worker_transfer", workers)
     print("== end to end", file=sys.stderr, flush=True)
