@@ -245,13 +245,6 @@ def start_stack(
         "decode": engines[1].spec.url,
         "router": f"http://127.0.0.1:{port}",
     }
-    try:
-        wait_for_health(urls["router"], [router])
-    except RuntimeError:
-        router.kill()
-        for engine in engines:
-            engine.stop()
-        raise RuntimeError(f"the router did not come up; see {log_dir / 'router.log'}") from None
 
     def stop() -> None:
         router.terminate()
@@ -259,6 +252,11 @@ def start_stack(
         for engine in engines:
             engine.stop()
 
+    try:
+        wait_for_health(urls["router"], [router])
+    except RuntimeError:
+        stop()
+        raise RuntimeError(f"the router did not come up; see {log_dir / 'router.log'}") from None
     return (urls, stop, router.pid) if with_router_pid else (urls, stop)
 
 
