@@ -5,7 +5,12 @@ One prefill and one decode ``vllm serve`` (tiny hybrid model, HybridNixlConnecto
 each); our router as its own process (``vllm-hybrid-nixl router``) and ``vllm-router
 --vllm-pd-disaggregation``, both pointing at them. ``vllm bench serve`` (random prompts,
 ``--ignore-eos``) runs against each target in turn, for each concurrency, round after round,
-with the order of targets rotated every round, so machine noise hits all alike. Each router
+with the order of targets rotated every round, so machine noise hits all alike. Every run
+draws prompts of its own (``--seed``): with one seed for all, every run after the first found
+its prompts in the engines' prefix caches (measured here at 32 concurrent: prefill cache hits
+33k of 98k prompt tokens on the first run, 83k on each repeat), so whichever target ran first
+in a round paid for the others. Each run records the share of prompt tokens each engine found
+in its prefix cache (vLLM's own counters), which says how alike the runs' work was. Each router
 process's CPU seconds (user + system, the kernel's per-process accounting over all its
 threads) are read before and after each run: CPU seconds per request.
 
@@ -75,8 +80,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_serve(url: str, model: str, concurrency: int, prompts: int, out: Path) -> dict:
-    """One ``vllm bench serve`` run; its saved result."""
+def bench_serve(
+    url: str, model: str, concurrency: int, prompts: int, out: Path, seed: int = 0
+) -> dict:
+    """One ``vllm bench serve`` run with the prompts of ``seed``; its saved result."""
     name = f"run-{time.monotonic_ns()}.json"
     command = [
         sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "bench", "serve",
@@ -85,12 +92,39 @@ def bench_serve(url: str, model: str, concurrency: int, prompts: int, out: Path)
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(out),
         "--result-filename", name, "--percentile-metrics", "ttft,itl,e2el",
-        "--metric-percentiles", "50,99", "--save-detailed",
+        "--metric-percentiles", "50,99", "--save-detailed", "--seed", str(seed),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return json.loads((out / name).read_text())
+
+
+def prefix_cache_counts(engine_url: str) -> tuple[float, float]:
+    """An engine's prefix-cache hits and queries (prompt tokens) so far, from its /metrics."""
+    hits = queries = 0.0
+    for line in httpx.get(f"{engine_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:prefix_cache_queries_total"):
+            queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def hit_shares(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    """Per engine, the share of a run's prompt tokens found in the prefix cache."""
+    shares: dict[str, float | None] = {}
+    for role, (hits, queries) in after.items():
+        asked = queries - before[role][1]
+        shares[role] = (hits - before[role][0]) / asked if asked > 0 else None
+    return shares
+
+
+def run_seed(round_index: int, concurrency: int, target_index: int) -> int:
+    """A seed no other run of this benchmark uses: fresh prompts for every run."""
+    return 1 + (round_index * 1000 + concurrency) * len(TARGETS) + target_index
 
 
 def measure(
@@ -107,14 +141,20 @@ def measure(
         for c in concurrency:
             shift = round_index % len(TARGETS)
             for target in TARGETS[shift:] + TARGETS[:shift]:
+                seed = run_seed(round_index, c, TARGETS.index(target))
+                engines = {role: urls[role] for role in ("prefill", "decode")}
+                cached = {role: prefix_cache_counts(url) for role, url in engines.items()}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                result = bench_serve(urls[target], model, c, prompts_for(c, per_slot), out)
+                result = bench_serve(urls[target], model, c, prompts_for(c, per_slot), out, seed)
                 spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                after = {role: prefix_cache_counts(url) for role, url in engines.items()}
                 runs.append(
                     {
                         "round": round_index,
                         "target": target,
                         "concurrency": c,
+                        "seed": seed,
+                        "prefix_cache_hit_share": hit_shares(cached, after),
                         "completed": result["completed"],
                         "output_tokens_per_s": result["output_throughput"],
                         "ttft_p50_ms": result["median_ttft_ms"],
@@ -132,7 +172,8 @@ def measure(
                 print(
                     f"  round {round_index + 1}, c={c}, {target}: "
                     f"{result['output_throughput']:.0f} tok/s, "
-                    f"TTFT p99 {result['p99_ttft_ms']:.0f} ms",
+                    f"TTFT p99 {result['p99_ttft_ms']:.0f} ms, prefill prefix-cache hits "
+                    f"{runs[-1]['prefix_cache_hit_share']['prefill'] or 0:.0%}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -214,7 +255,9 @@ def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
         try:
             peer, peer_url = start_vllm_router(urls["prefill"], urls["decode"], work / "vr.log")
             targets = {"ours": urls["router"], "vllm_router": peer_url}
-            targets["decode_alone"] = urls["decode"]
+            targets.update(
+                decode_alone=urls["decode"], prefill=urls["prefill"], decode=urls["decode"]
+            )
             pids = {"ours": router_pid, "vllm_router": peer.pid}
             warm_up(targets["ours"], model)
             runs = measure(targets, pids, model, concurrency, rounds, per_slot, work)

@@ -30,10 +30,19 @@ def test_every_target_answers_every_request_and_rounds_pool(tmp_path: Path) -> N
     assert prompts == 16  # at least 16 per run, whatever the slots
     runs = result["runs"]
     assert sorted(r["target"] for r in runs) == ["decode_alone", "ours", "vllm_router"]
+    assert len({r["seed"] for r in runs}) == len(runs)  # every run its own prompts
     for run in runs:
         assert run["completed"] == prompts, run
         assert len(run["ttfts_ms"]) == prompts and len(run["e2els_ms"]) == prompts
         assert all(0 < t <= e for t, e in zip(run["ttfts_ms"], run["e2els_ms"], strict=True))
+        shares = run["prefix_cache_hit_share"]
+        # the decode engine serves a prompt in every run (P/D or alone); the prefill engine
+        # only through a router
+        assert 0 <= shares["decode"] <= 1, run
+        if run["target"] == "decode_alone":
+            assert shares["prefill"] is None, run
+        else:
+            assert 0 <= shares["prefill"] <= 1, run
     row = result["by_concurrency"]["2"]
     for target in ("ours", "vllm_router"):
         assert row[target]["requests"] == prompts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.router_peer import percentile, summarize
+from bench.router_peer import TARGETS, hit_shares, percentile, run_seed, summarize
 
 
 def run(target: str, concurrency: int, ttfts: list[float], tokens: int, seconds: float) -> dict:
@@ -61,3 +61,19 @@ def test_headline_is_the_worse_of_8_and_32() -> None:
     headline = summarize(runs)["headline"]
     assert headline["router_vs_vllm_router_throughput"] == pytest.approx(0.5)
     assert headline["router_vs_vllm_router_p99_ttft"] == pytest.approx(1.5)
+
+
+def test_every_run_of_a_benchmark_draws_its_own_prompts() -> None:
+    seeds = [
+        run_seed(r, c, t)
+        for r in range(10)
+        for c in (1, 2, 8, 32, 128)
+        for t in range(len(TARGETS))
+    ]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_hit_share_is_per_run_and_none_for_an_engine_that_saw_no_prompt() -> None:
+    before = {"prefill": (1000.0, 4000.0), "decode": (50.0, 100.0)}
+    after = {"prefill": (1300.0, 5000.0), "decode": (50.0, 100.0)}
+    assert hit_shares(before, after) == {"prefill": pytest.approx(0.3), "decode": None}
