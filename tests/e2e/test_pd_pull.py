@@ -3,7 +3,10 @@ registered by name through the plugin entry point, moving KV over real NIXL on 1
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -98,3 +101,34 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
         assert answer.status_code == 200, answer.text  # the listener threads survived
     finally:
         router.stop()
+
+
+def thread_cpu_shares(pid: int, seconds: float) -> dict[int, float]:
+    """Each thread of process ``pid``: the share of a core it used over ``seconds``."""
+    tasks = Path(f"/proc/{pid}/task")
+
+    def sample() -> dict[int, float]:
+        found = {}
+        for entry in tasks.iterdir():
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            found[int(entry.name)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return found
+
+    before = sample()
+    time.sleep(seconds)
+    after = sample()
+    return {tid: (after[tid] - before.get(tid, after[tid])) / seconds for tid in after}
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_idle_engine_has_no_thread_polling_a_core(pair: PdPair, side: str) -> None:
+    """NIXL's progress thread waits for transport events (``progress_poll_us``) instead of
+    busy-polling; before, it held a whole core of every idle engine. vLLM's own worker polls
+    its step queue for a second after each step, so the sample starts after that."""
+    engine = getattr(pair, side)
+    worker_pid = int(next(WORKER_LINE.finditer(engine.log_text()))["pid"])
+    assert "instead of busy-polling a core" in engine.log_text()
+    time.sleep(2.0)
+    shares = thread_cpu_shares(worker_pid, 2.0)
+    busy = {tid: round(share, 2) for tid, share in shares.items() if share > 0.3}
+    assert not busy, f"threads of the {side} worker (pid {worker_pid}) polling a core: {busy}"

@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -142,6 +143,15 @@ def nixl_classes() -> NixlClasses:
             f"{SUPPORTED_RANGE}; tested: {tested_releases_text()}. If NIXL itself is "
             "missing, `pip install 'nixl>=1.5'`."
         ) from exc
+
+
+def nixl_agent_class() -> type | None:
+    """The NIXL agent class vLLM's NIXL worker builds its agent with (``NixlWrapper`` in the
+    worker's module: imported there from ``vllm.distributed.nixl_utils`` on 0.32, from
+    ``nixl._api`` before); None when NIXL is missing."""
+    module = sys.modules.get(nixl_classes().base_worker.__module__)
+    wrapper = getattr(module, "NixlWrapper", None)
+    return wrapper if isinstance(wrapper, type) else None
 
 
 @functools.cache

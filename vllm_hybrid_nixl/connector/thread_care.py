@@ -1,8 +1,11 @@
 """Idle priority for the busy-polling threads vLLM's NIXL worker starts, without ever
-needing to undo it early.
+needing to undo it early: the fallback for a progress thread that still spins (engines set
+``progress_poll_us: 0``, or a NIXL whose pause ``progress_pacing`` cannot set).
 
-NIXL's progress thread polls without pause; on vLLM's CPU build it takes the core its engine
-computes on. At idle priority it polls only when the core is otherwise free. Registering
+A spinning NIXL progress thread takes the core its engine computes on (vLLM's CPU build). At
+idle priority it polls only when the core is otherwise free, but it can be preempted while it
+holds the UCX worker's lock, and the engine thread checking a transfer then waits for it
+(measured: decode TTFT stalls of up to 2 s); the paced thread has neither cost. Registering
 memory waits on that thread, so it must run at normal priority while the KV caches register:
 
 - where this process may restore normal priority (CAP_SYS_NICE), the threads are idled as

@@ -19,6 +19,7 @@ import torch
 from vllm_hybrid_nixl.connector import compat, thread_priority
 from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind
 from vllm_hybrid_nixl.connector.lease import LeaseReaderMixin
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, paced_agents
 from vllm_hybrid_nixl.connector.thread_care import ProgressThreadCare
 from vllm_hybrid_nixl.protocol.fingerprint import (
     LayoutFingerprint,
@@ -148,6 +149,26 @@ def physical_view(cache: torch.Tensor, validated: ValidatedLayer) -> torch.Tenso
     )
 
 
+#: ``kv_connector_extra_config`` key: microseconds NIXL's progress thread pauses between rounds.
+POLL_KEY = "progress_poll_us"
+
+
+def progress_poll_us(kv_transfer_config: Any) -> int:
+    """The progress thread's pause: ``progress_poll_us`` when set (0: NIXL's spinning thread),
+    else :data:`DEFAULT_POLL_US` on vLLM's CPU platform and 0 elsewhere (GPU hosts keep
+    NIXL's default). Raises ValueError naming the key for anything but a whole number >= 0."""
+    default = DEFAULT_POLL_US if compat.on_cpu_platform() else 0
+    if kv_transfer_config is None:
+        return default
+    value = kv_transfer_config.get_from_extra_config(POLL_KEY, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"kv_connector_extra_config {POLL_KEY} is {value!r}; expected a whole number of "
+            f"microseconds >= 0 (e.g. {DEFAULT_POLL_US}; 0 keeps NIXL's busy-polling thread)"
+        )
+    return value
+
+
 class HybridRegistrationMixin:
     """Overrides ``register_kv_caches`` of a vLLM NIXL worker with describe -> check -> register."""
 
@@ -161,7 +182,25 @@ class HybridRegistrationMixin:
         affinity = os.sched_getaffinity(0)
         threads_before = thread_priority.thread_ids()
         compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
-        super().__init__(*args, **kwargs)
+        kv_transfer_config = getattr(
+            kwargs.get("vllm_config", args[0] if args else None), "kv_transfer_config", None
+        )
+        poll_us = progress_poll_us(kv_transfer_config)
+        with paced_agents(compat.nixl_agent_class(), poll_us) as paced:
+            super().__init__(*args, **kwargs)
+        self.progress_poll_us = poll_us if paced else 0
+        if paced:
+            logger.info(
+                "vllm-hybrid-nixl: NIXL's progress thread waits for transport events (at "
+                "most %d us) instead of busy-polling a core (%s to change it)",
+                poll_us,
+                POLL_KEY,
+            )
+        elif poll_us:
+            logger.warning(
+                "vllm-hybrid-nixl: could not give NIXL's progress thread a pause (this NIXL's "
+                "Python agent builds its native agent in a way we do not know); it busy-polls"
+            )
         self._thread_care = self._care_for_new_threads(
             thread_priority.thread_ids() - threads_before
         )
@@ -174,14 +213,15 @@ class HybridRegistrationMixin:
             )
 
     def _care_for_new_threads(self, new_threads: set[int]) -> ProgressThreadCare | None:
-        """Idle priority for the busy threads vLLM's worker started (NIXL's progress thread):
-        on by default on vLLM's CPU platform, where it shares the engine's cores;
+        """Idle priority for the busy threads vLLM's worker started, where NIXL's progress
+        thread still spins (``progress_poll_us`` 0, or a NIXL whose delay we cannot set): on
+        by default on vLLM's CPU platform, where it shares the engine's cores;
         ``kv_connector_extra_config`` ``idle_progress_thread`` (true/false) decides
         explicitly."""
         config = getattr(self, "kv_transfer_config", None) or getattr(
             getattr(self, "vllm_config", None), "kv_transfer_config", None
         )
-        wanted = compat.on_cpu_platform()
+        wanted = compat.on_cpu_platform() and not self.progress_poll_us
         if config is not None:
             wanted = bool(config.get_from_extra_config("idle_progress_thread", wanted))
         if not wanted or not new_threads:
