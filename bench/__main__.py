@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = None
     if not args.smoke:
         print("== our router against vllm-router", file=sys.stderr, flush=True)
-        peer = router_peer.run([1, 8, 32], 3, 12)
+        peer = router_peer.run([1, 8, 32], 4, 12)
         save("router_peer", peer)
     top = headline(registration, moved, e2e, workers, peer)
     top["wall_s"] = round(time.monotonic() - started)

@@ -58,9 +58,6 @@ class SideChannel:
         socket.setsockopt(zmq.RCVTIMEO, 100)
         socket.bind(f"tcp://127.0.0.1:{self.port}")
         self._ready.set()
-        payload = msgspec.msgpack.encode(
-            {"compatibility_hash": self.compat, "agent_metadata_bytes": b""}
-        )
         try:
             while not self._stop.is_set():
                 try:
@@ -70,6 +67,9 @@ class SideChannel:
                 decoded = tuple(msgspec.msgpack.decode(request))
                 self.requests.append(decoded)
                 assert decoded[0] == b"get_meta_msg"
+                payload = msgspec.msgpack.encode(
+                    {"compatibility_hash": self.compat, "agent_metadata_bytes": b""}
+                )
                 socket.send_multipart((identity, b"", payload, msgspec.msgpack.encode(0.0)))
         finally:
             socket.close(linger=0)
@@ -205,3 +205,19 @@ def test_a_fingerprint_of_a_newer_protocol_is_refused_by_name(channels) -> None:
         assert "layout protocol '2'" in problem and "reads protocol 1" in problem
     finally:
         newer.close()
+
+
+def test_a_cached_verdict_follows_an_engine_whose_layout_changed(channels) -> None:
+    """Verdicts are cached per pair (every leg asks); a refresh that reads another layout
+    (the decode engine restarted with another block size) must change the answer."""
+    engines = pool([channels["p64"]], [channels["d64"]])
+    table = PairingTable(engines.all(), timeout_s=2)
+    table.refresh()
+    prefill, decode = engines.prefill[0], engines.decode[0]
+    assert table.problem(prefill, decode) == "" and table.problem(prefill, decode) == ""
+    channels["d64"].compat = make(block_size=32).encode()
+    table.refresh()
+    assert "groups[0].block_size: decode-0 32, prefill-0 64" in table.problem(prefill, decode)
+    channels["d64"].compat = make(block_size=64).encode()
+    table.refresh()
+    assert table.problem(prefill, decode) == ""

@@ -133,6 +133,9 @@ class PairingTable:
         self._layouts: dict[str, EngineLayout] = {}
         self._probed_at: dict[str, float] = {}
         self._warned: set[tuple[str, str]] = set()
+        # (prefill url, decode url) -> the two layouts judged and the verdict: every leg asks,
+        # and a verdict holds until a refresh replaces either layout object
+        self._verdicts: dict[tuple[str, str], tuple[EngineLayout, EngineLayout, str]] = {}
         self._lock = threading.Lock()
 
     def needs_probe(self) -> bool:
@@ -171,7 +174,13 @@ class PairingTable:
 
     def problem(self, prefill: Backend, decode_: Backend) -> str:
         p, d = self.layout(prefill), self.layout(decode_)
-        found = pair_problem(prefill, p, decode_, d)
+        key = (prefill.url, decode_.url)
+        verdict = self._verdicts.get(key)
+        if verdict is not None and verdict[0] is p and verdict[1] is d:
+            found = verdict[2]
+        else:
+            found = pair_problem(prefill, p, decode_, d)
+            self._verdicts[key] = (p, d, found)
         if not found and (p.fingerprint is None or d.fingerprint is None):
             self._warn_unchecked(prefill, p, decode_, d)
         return found
