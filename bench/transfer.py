@@ -36,16 +36,17 @@ UCX_CHOICES = [None, "tcp,self", "sm,tcp,self", "posix,tcp,self", "cma,tcp,self"
 
 
 def _agent(name: str):
-    """A NIXL agent whose busy-polling progress thread runs at idle priority, as our worker
-    sets it on CPU engines: with two agents spinning on two cores, memcpy itself fell to a
-    tenth of its speed and both figures meant nothing."""
+    """A NIXL agent whose progress thread waits for transport events, as our worker builds
+    them on CPU engines (``progress_poll_us``): with two agents spinning on two cores, memcpy
+    itself fell to a tenth of its speed and both figures meant nothing."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from vllm_hybrid_nixl.connector import thread_priority
+    from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, paced_agents
 
-    before = thread_priority.thread_ids()
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    thread_priority.make_idle(thread_priority.busy_threads(thread_priority.thread_ids() - before))
+    with paced_agents(nixl_agent, DEFAULT_POLL_US) as paced:
+        agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    if not paced:
+        raise RuntimeError("this NIXL's progress thread cannot be paced; see progress_pacing")
     return agent
 
 
