@@ -76,6 +76,6 @@ PY
 esac
 step "removing torchvision/torchaudio/torchcodec (CUDA builds that break vLLM's CPU build)"
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$py" -c "from vllm_hybrid_nixl import compat; import importlib.metadata as m; print(compat.installed_vllm(), 'torch', m.version('torch'))"
+"$py" -c "from vllm_hybrid_nixl.connector import compat; import importlib.metadata as m; print(compat.installed_vllm(), 'torch', m.version('torch'))"
 du -sh "$venv" | awk -v s=$((SECONDS - started)) '{print "install: " s " s, " $1 " on disk"}' | tee "$venv/.install-cost"
 touch "$venv/.complete"
