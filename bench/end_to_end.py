@@ -199,6 +199,10 @@ def wait_for_health(url: str, processes: list[subprocess.Popen], timeout_s: floa
     raise RuntimeError(f"{url} did not answer /health within {timeout_s:.0f} s")
 
 
+#: The benchmark's engines pace NIXL's progress thread (``progress_poll_us``, opt-in).
+PACED = {"progress_poll_us": 1000}
+
+
 def start_stack(
     model: str, log_dir: Path, kv_extra_config: dict | None = None, with_router_pid: bool = False
 ):
@@ -219,7 +223,7 @@ def start_stack(
                 side_channel_port=free_port(),
                 cpu_core=core,
                 extra_args=list(args),
-                kv_extra_config=dict(kv_extra_config or {}),
+                kv_extra_config={**PACED, **(kv_extra_config or {})},
             ),
             log_dir / f"{role}.log",
         ).start()

@@ -12,9 +12,13 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 
 pytestmark = pytest.mark.e2e
+
+#: Both engines pace NIXL's progress thread (opt-in; test_an_idle_engine_has_no_thread_...).
+PACED = {"progress_poll_us": DEFAULT_POLL_US}
 
 PROMPTS = [
     "the decode engine reads the kv cache",
@@ -28,8 +32,8 @@ def pair(tiny_hybrid_model, tmp_path_factory) -> Iterator[PdPair]:
     yield from start_pair(
         tiny_hybrid_model,
         tmp_path_factory.mktemp("pd-pull-logs"),
-        prefill={"connector": "HybridNixlConnector"},
-        decode={"connector": "HybridNixlConnector"},
+        prefill={"connector": "HybridNixlConnector", "kv_extra_config": PACED},
+        decode={"connector": "HybridNixlConnector", "kv_extra_config": PACED},
     )
 
 
@@ -122,9 +126,10 @@ def thread_cpu_shares(pid: int, seconds: float) -> dict[int, float]:
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_an_idle_engine_has_no_thread_polling_a_core(pair: PdPair, side: str) -> None:
-    """NIXL's progress thread waits for transport events (``progress_poll_us``) instead of
-    busy-polling; before, it held a whole core of every idle engine. vLLM's own worker polls
-    its step queue for a second after each step, so the sample starts after that."""
+    """With ``progress_poll_us`` set, NIXL's progress thread waits for transport events
+    instead of busy-polling; otherwise it holds a whole core of every idle engine. vLLM's own
+    worker polls its step queue for a second after each step, so the sample starts after
+    that."""
     engine = getattr(pair, side)
     worker_pid = int(next(WORKER_LINE.finditer(engine.log_text()))["pid"])
     assert "instead of busy-polling a core" in engine.log_text()

@@ -86,10 +86,10 @@ def kv_config(extra: dict) -> object:
     )
 
 
-def test_the_pause_defaults_on_the_cpu_platform_and_can_be_set_or_turned_off() -> None:
-    assert compat.on_cpu_platform(), "this suite runs on vLLM's CPU build"
-    assert progress_poll_us(kv_config({})) == DEFAULT_POLL_US
-    assert progress_poll_us(None) == DEFAULT_POLL_US
+def test_the_pause_is_opt_in_and_can_be_set_or_turned_off() -> None:
+    assert progress_poll_us(kv_config({})) == 0
+    assert progress_poll_us(None) == 0
+    assert progress_poll_us(kv_config({POLL_KEY: DEFAULT_POLL_US})) == DEFAULT_POLL_US
     assert progress_poll_us(kv_config({POLL_KEY: 250})) == 250
     assert progress_poll_us(kv_config({POLL_KEY: 0})) == 0
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-#: The pause that engines get by default on vLLM's CPU platform (see the module docstring).
+#: The pause to set on vLLM's CPU platform (``progress_poll_us``; see the module docstring).
 DEFAULT_POLL_US = 1000
 
 _lock = threading.RLock()

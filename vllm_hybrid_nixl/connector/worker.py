@@ -154,10 +154,12 @@ POLL_KEY = "progress_poll_us"
 
 
 def progress_poll_us(kv_transfer_config: Any) -> int:
-    """The progress thread's pause: ``progress_poll_us`` when set (0: NIXL's spinning thread),
-    else :data:`DEFAULT_POLL_US` on vLLM's CPU platform and 0 elsewhere (GPU hosts keep
-    NIXL's default). Raises ValueError naming the key for anything but a whole number >= 0."""
-    default = DEFAULT_POLL_US if compat.on_cpu_platform() else 0
+    """The progress thread's pause: ``progress_poll_us`` when set, else 0 (NIXL's spinning
+    thread). Opt-in: with the pause, a hybrid model's TP1 -> TP2 pair (refused by design) had
+    its decode ranks' side-channel probes time out instead of logging the refusal (seen in CI,
+    not yet explained). Raises ValueError naming the key for anything but a whole number >= 0
+    (:data:`DEFAULT_POLL_US` is the value to use on vLLM's CPU platform)."""
+    default = 0
     if kv_transfer_config is None:
         return default
     value = kv_transfer_config.get_from_extra_config(POLL_KEY, default)
