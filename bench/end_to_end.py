@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 
 RESULTS = Path(__file__).parent / "results"
@@ -200,7 +201,7 @@ def wait_for_health(url: str, processes: list[subprocess.Popen], timeout_s: floa
 
 
 #: The benchmark's engines pace NIXL's progress thread (``progress_poll_us``, opt-in).
-PACED = {"progress_poll_us": 1000}
+PACED = {POLL_KEY: DEFAULT_POLL_US}
 
 
 def start_stack(

@@ -3,7 +3,6 @@ registered by name through the plugin entry point, moving KV over real NIXL on 1
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,13 +11,14 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
-from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
+from vllm_hybrid_nixl.connector.thread_priority import cpu_seconds
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 
 pytestmark = pytest.mark.e2e
 
 #: Both engines pace NIXL's progress thread (opt-in; test_an_idle_engine_has_no_thread_...).
-PACED = {"progress_poll_us": DEFAULT_POLL_US}
+PACED = {POLL_KEY: DEFAULT_POLL_US}
 
 PROMPTS = [
     "the decode engine reads the kv cache",
@@ -109,19 +109,10 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
 
 def thread_cpu_shares(pid: int, seconds: float) -> dict[int, float]:
     """Each thread of process ``pid``: the share of a core it used over ``seconds``."""
-    tasks = Path(f"/proc/{pid}/task")
-
-    def sample() -> dict[int, float]:
-        found = {}
-        for entry in tasks.iterdir():
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            found[int(entry.name)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        return found
-
-    before = sample()
+    threads = [int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()]
+    before = {tid: cpu_seconds(tid, pid) for tid in threads}
     time.sleep(seconds)
-    after = sample()
-    return {tid: (after[tid] - before.get(tid, after[tid])) / seconds for tid in after}
+    return {tid: (cpu_seconds(tid, pid) - before[tid]) / seconds for tid in threads}
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])

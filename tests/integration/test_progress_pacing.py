@@ -11,20 +11,23 @@ import sys
 import pytest
 
 from vllm_hybrid_nixl.connector import compat
-from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, bindings_of, paced_agents
-from vllm_hybrid_nixl.connector.worker import POLL_KEY, progress_poll_us
+from vllm_hybrid_nixl.connector.progress_pacing import (
+    DEFAULT_POLL_US,
+    POLL_KEY,
+    bindings_of,
+    paced_agents,
+)
+from vllm_hybrid_nixl.connector.worker import progress_poll_us
 
 pytestmark = pytest.mark.integration
 
 MEASURE = r"""
-import json, os, sys, time
+import json, sys, time
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.progress_pacing import paced_agents
+from vllm_hybrid_nixl.connector.thread_priority import cpu_seconds as cpu, thread_ids
 
 def shares(threads, seconds=1.5):
-    def cpu(tid):
-        stat = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
     before = {t: cpu(t) for t in threads}
     time.sleep(seconds)
     return max((cpu(t) - before[t]) / seconds for t in threads)
@@ -32,10 +35,10 @@ def shares(threads, seconds=1.5):
 agent_class = compat.nixl_agent_class()
 result, agents = {}, []
 for name, poll_us in (("paced", 1000), ("stock", 0)):
-    existing = set(os.listdir("/proc/self/task"))
+    existing = thread_ids()
     with paced_agents(agent_class, poll_us) as paced:
         agents.append(agent_class(name, None))  # kept: a dropped agent stops its threads
-    started = set(os.listdir("/proc/self/task")) - existing
+    started = thread_ids() - existing
     result[name] = {"paced": paced, "busiest": shares(started)}
 result["restored"] = type(sys.modules[agent_class.__module__].nixlBind).__name__ == "module"
 print(json.dumps(result))

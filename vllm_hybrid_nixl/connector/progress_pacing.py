@@ -27,6 +27,9 @@ from typing import Any
 #: The pause to set on vLLM's CPU platform (``progress_poll_us``; see the module docstring).
 DEFAULT_POLL_US = 1000
 
+#: ``kv_connector_extra_config`` key: microseconds NIXL's progress thread pauses between rounds.
+POLL_KEY = "progress_poll_us"
+
 _lock = threading.RLock()
 
 

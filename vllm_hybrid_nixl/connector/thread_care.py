@@ -1,6 +1,6 @@
 """Idle priority for the busy-polling threads vLLM's NIXL worker starts, without ever
-needing to undo it early: the fallback for a progress thread that still spins (engines set
-``progress_poll_us`` unset or 0, or a NIXL whose pause ``progress_pacing`` cannot set).
+needing to undo it early: for a progress thread that still spins (``progress_poll_us``
+unset or 0, or a NIXL whose pause ``progress_pacing`` cannot set).
 
 A spinning NIXL progress thread takes the core its engine computes on (vLLM's CPU build). At
 idle priority it polls only when the core is otherwise free, but it can be preempted while it

@@ -20,10 +20,12 @@ def thread_ids() -> set[int]:
     return {int(name) for name in os.listdir(TASKS)}
 
 
-def cpu_seconds(tid: int) -> float:
-    """User + system CPU time of one thread of this process (0 if it is gone)."""
+def cpu_seconds(tid: int, pid: int | None = None) -> float:
+    """User + system CPU time of one thread of this process, or of process ``pid`` (0 if it
+    is gone)."""
+    tasks = TASKS if pid is None else Path(f"/proc/{pid}/task")
     try:
-        stat = (TASKS / str(tid) / "stat").read_text()
+        stat = (tasks / str(tid) / "stat").read_text()
     except OSError:
         return 0.0
     fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]

@@ -19,7 +19,7 @@ import torch
 from vllm_hybrid_nixl.connector import compat, thread_priority
 from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind
 from vllm_hybrid_nixl.connector.lease import LeaseReaderMixin
-from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, paced_agents
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY, paced_agents
 from vllm_hybrid_nixl.connector.thread_care import ProgressThreadCare
 from vllm_hybrid_nixl.protocol.fingerprint import (
     LayoutFingerprint,
@@ -149,20 +149,15 @@ def physical_view(cache: torch.Tensor, validated: ValidatedLayer) -> torch.Tenso
     )
 
 
-#: ``kv_connector_extra_config`` key: microseconds NIXL's progress thread pauses between rounds.
-POLL_KEY = "progress_poll_us"
-
-
 def progress_poll_us(kv_transfer_config: Any) -> int:
     """The progress thread's pause: ``progress_poll_us`` when set, else 0 (NIXL's spinning
     thread). Opt-in: with the pause, a hybrid model's TP1 -> TP2 pair (refused by design) had
     its decode ranks' side-channel probes time out instead of logging the refusal (seen in CI,
     not yet explained). Raises ValueError naming the key for anything but a whole number >= 0
     (:data:`DEFAULT_POLL_US` is the value to use on vLLM's CPU platform)."""
-    default = 0
     if kv_transfer_config is None:
-        return default
-    value = kv_transfer_config.get_from_extra_config(POLL_KEY, default)
+        return 0
+    value = kv_transfer_config.get_from_extra_config(POLL_KEY, 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"kv_connector_extra_config {POLL_KEY} is {value!r}; expected a whole number of "
