@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.pd_fixture import (
+    COMMON_ARGS,
     PdPair,
     colocated_texts,
     engine_posts,
@@ -27,6 +32,7 @@ from tests.e2e.pd_fixture import (
     start_pair,
 )
 from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.router.auth import EngineAccessError
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -54,7 +60,8 @@ class Stack:
 def stack(tiny_hybrid_model, tmp_path_factory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("security-logs")
     keyed = {"env": {"VLLM_API_KEY": ENGINE_KEY}}
-    for pair in start_pair(tiny_hybrid_model, logs, dict(keyed), dict(keyed)):
+    logged = {**keyed, "extra_args": [*COMMON_ARGS, "--enable-log-requests"]}
+    for pair in start_pair(tiny_hybrid_model, logs, dict(keyed), logged):
         port = free_port()
         router_log = logs / "router.log"
         env = {
@@ -310,8 +317,6 @@ def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_b
     """Load on the keyed 1P1D stack (the 2P2D load runs in test_ray_pd)."""
     import asyncio
 
-    import psutil
-
     router = psutil.Process(stack.router_pid)
     prompts = [
         f"load {i}: " + " ".join(["tokens for the kv cache"] * (1 + i % 7)) for i in range(16)
@@ -402,9 +407,54 @@ def wait_engines_idle(stack: Stack, timeout_s: float = 60.0) -> dict[str, tuple]
         time.sleep(0.5)
 
 
-def leave_once_decoding(stack: Stack, url: str, body: dict) -> None:
-    """Send a whole (not streamed) request and hang up once the decode engine reports it
-    running: however fast the engines are, the client leaves mid-request."""
+def answer_so_far(connection: socket.socket) -> bytes:
+    """What the router has sent on ``connection`` so far, without consuming or waiting."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    return connection.recv(4096, socket.MSG_PEEK) if readable else b""
+
+
+@contextmanager
+def compute_paused(engine_pid: int) -> Iterator[None]:
+    """Stop (SIGSTOP) every process below the engine's API server — its engine core — and
+    continue them on exit: the API server still takes requests and disconnects, but no
+    request can make progress, whatever the machine's speed."""
+    below = psutil.Process(engine_pid).children(recursive=True)
+    for process in below:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in below:
+            with suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGCONT)
+
+
+def received_requests(engine: EngineProcess) -> int:
+    """Requests the engine's API server logged on arrival (it runs with --enable-log-requests)."""
+    return engine.log_text().count("Received request")
+
+
+def finished_by_length(url: str) -> float:
+    """Requests the engine ran to ``max_tokens`` (``vllm:request_success_total``, length)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="length"' in line
+    )
+
+
+def router_disconnects(stack: Stack) -> float:
+    """``router_client_disconnects_total`` from the router's /metrics."""
+    for line in httpx.get(f"{stack.router_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("router_client_disconnects_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def leave_while_decode_holds_it(stack: Stack, url: str, body: dict) -> None:
+    """Send a whole (not streamed) request and hang up once the decode engine's API server
+    holds its decode leg. The decode engine's core is paused meanwhile, so the leg cannot
+    finish before the client leaves, however fast the engines are."""
     target = httpx.URL(url)
     payload = json.dumps(body).encode()
     head = (
@@ -412,33 +462,46 @@ def leave_once_decoding(stack: Stack, url: str, body: dict) -> None:
         f"Authorization: Bearer {ROUTER_KEY}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n"
     )
-    with socket.create_connection((target.host, target.port), timeout=30) as connection:
-        connection.sendall(head.encode() + payload)
-        deadline = time.monotonic() + 120
-        while engine_load(stack.pair.decode.spec.url)[0] < 1:
-            assert time.monotonic() < deadline, "the decode leg never started"
-            time.sleep(0.02)
-        connection.setblocking(False)
-        try:
-            answered = connection.recv(1)
-        except BlockingIOError:
-            answered = b""
-        assert answered == b"", "the router answered before the client left"
+    decode = stack.pair.decode
+    before = received_requests(decode)
+    with compute_paused(decode.pid):
+        with socket.create_connection((target.host, target.port), timeout=30) as connection:
+            connection.sendall(head.encode() + payload)
+            deadline = time.monotonic() + 120
+            while received_requests(decode) == before:
+                early = answer_so_far(connection)
+                assert not early, f"the router answered before the decode leg arrived: {early!r}"
+                assert time.monotonic() < deadline, "no decode leg arrived:\n" + logs_tail(stack)
+                time.sleep(0.05)
+            assert answer_so_far(connection) == b"", "the router answered a paused decode leg"
+            seen = router_disconnects(stack)
+        leaving = time.monotonic() + 60  # the router sees the client leave before the core runs
+        while router_disconnects(stack) < seen + 1:
+            assert time.monotonic() < leaving, "the router never saw the client leave"
+            time.sleep(0.05)
+
+
+def logs_tail(stack: Stack, lines: int = 30) -> str:
+    """The last lines of the router's and both engines' logs, for a failure message."""
+    texts = {
+        "router": stack.router_log.read_text(errors="replace"),
+        "prefill": stack.pair.prefill.log_text(),
+        "decode": stack.pair.decode.log_text(),
+    }
+    return "\n".join(
+        f"--- {name} ---\n" + "\n".join(text.splitlines()[-lines:]) for name, text in texts.items()
+    )
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_that_leaves_aborts_both_legs(stack: Stack, stream: bool) -> None:
-    """Engines keep no request and no KV blocks for a client that went away."""
-    metrics_url = f"{stack.router_url}/metrics"
-
-    def disconnects() -> float:
-        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-            if line.startswith("router_client_disconnects_total "):
-                return float(line.split()[1])
-        return 0.0
-
-    before = disconnects()
+    """Engines keep no request and no KV blocks for a client that went away: one that leaves
+    a stream after its first token (the decode leg running), one that leaves a whole request
+    while the decode engine holds its leg (the prefill's blocks still lent to it)."""
+    before = router_disconnects(stack)
     assert wait_engines_idle(stack) == {"prefill": (0.0, 0.0), "decode": (0.0, 0.0)}
+    decode_url = stack.pair.decode.spec.url
+    ran_out_before = finished_by_length(decode_url)
     body = {
         "model": stack.model,
         "prompt": PROMPT,
@@ -454,12 +517,13 @@ def test_a_client_that_leaves_aborts_both_legs(stack: Stack, stream: bool) -> No
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")  # the decode leg is running
     else:
-        leave_once_decoding(stack, url, body)
+        leave_while_decode_holds_it(stack, url, body)
     assert wait_engines_idle(stack) == {"prefill": (0.0, 0.0), "decode": (0.0, 0.0)}
     deadline = time.monotonic() + 10
-    while disconnects() < before + 1 and time.monotonic() < deadline:
+    while router_disconnects(stack) < before + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert disconnects() == before + 1
+    assert router_disconnects(stack) == before + 1
+    assert finished_by_length(decode_url) == ran_out_before, "the decode leg ran to the end"
 
 
 def test_keys_appear_in_no_log_health_or_process_listing(stack: Stack) -> None:
