@@ -382,8 +382,10 @@ def test_slow_and_flapping_links_keep_answers_identical(hosts: MultiHost, expect
 
     flapper = threading.Thread(target=flap, daemon=True)
     flapper.start()
+    slow: list[Outcome] = []
     try:
-        slow = send_many(hosts, expected, 16)
+        while flaps[0] < 3:  # rounds of 16 until 3 flaps fell within traffic, at any speed
+            slow += send_many(hosts, expected, 16)
     finally:
         stop.set()
         flapper.join(timeout=10)
@@ -400,7 +402,6 @@ def test_slow_and_flapping_links_keep_answers_identical(hosts: MultiHost, expect
             "p50_s_shaped": round(statistics.median(o.seconds for o in slow), 3),
         },
     )
-    assert flaps[0] >= 3, flaps
     assert all(o.correct for o in baseline + slow), baseline + slow
 
 
