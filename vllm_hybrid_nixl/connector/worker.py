@@ -151,9 +151,10 @@ def physical_view(cache: torch.Tensor, validated: ValidatedLayer) -> torch.Tenso
 
 def progress_poll_us(kv_transfer_config: Any) -> int:
     """The progress thread's pause: ``progress_poll_us`` when set, else 0 (NIXL's spinning
-    thread). Opt-in: with the pause, a hybrid model's TP1 -> TP2 pair (refused by design) had
-    its decode ranks' side-channel probes time out instead of logging the refusal (seen in CI,
-    not yet explained). Raises ValueError naming the key for anything but a whole number >= 0
+    thread). Opt-in: with the pause on a TP1 -> TP2 pair, the decode ranks' first handshake
+    timed out on the prefill's side channel (plain and hybrid models; the prefill engine once
+    stopped answering after it), not yet explained; equal-TP pairs work with it. Raises
+    ValueError naming the key for anything but a whole number >= 0
     (:data:`DEFAULT_POLL_US` is the value to use on vLLM's CPU platform)."""
     if kv_transfer_config is None:
         return 0
