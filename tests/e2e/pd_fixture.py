@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness.releases import STOCK_REFUSAL
 from vllm_hybrid_nixl.common.netutil import free_port
@@ -92,12 +93,21 @@ def engine_posts(url: str) -> float:
     return total
 
 
+def metric_sum(url: str, sample: str, **labels: str) -> float:
+    """The sum of ``url``'s /metrics samples named ``sample`` whose labels include ``labels``
+    (0 when there is none yet)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        found.value
+        for family in text_string_to_metric_families(text)
+        for found in family.samples
+        if found.name == sample and labels.items() <= found.labels.items()
+    )
+
+
 def request_reruns(router_url: str) -> float:
     """Whole requests the router ran again (``router_retries_total{leg="request"}``)."""
-    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith('router_retries_total{leg="request"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric_sum(router_url, "router_retries_total", leg="request")
 
 
 def colocated_texts(

@@ -28,6 +28,7 @@ from tests.e2e.pd_fixture import (
     PdPair,
     colocated_texts,
     engine_posts,
+    metric_sum,
     request_reruns,
     start_pair,
 )
@@ -436,19 +437,12 @@ def received_requests(engine: EngineProcess) -> int:
 
 def finished_by_length(url: str) -> float:
     """Requests the engine ran to ``max_tokens`` (``vllm:request_success_total``, length)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-        if line.startswith("vllm:request_success_total{") and 'finished_reason="length"' in line
-    )
+    return metric_sum(url, "vllm:request_success_total", finished_reason="length")
 
 
 def router_disconnects(stack: Stack) -> float:
     """``router_client_disconnects_total`` from the router's /metrics."""
-    for line in httpx.get(f"{stack.router_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("router_client_disconnects_total "):
-            return float(line.split()[1])
-    return 0.0
+    return metric_sum(stack.router_url, "router_client_disconnects_total")
 
 
 def leave_while_decode_holds_it(stack: Stack, url: str, body: dict) -> None:
@@ -483,13 +477,16 @@ def leave_while_decode_holds_it(stack: Stack, url: str, body: dict) -> None:
 
 def logs_tail(stack: Stack, lines: int = 30) -> str:
     """The last lines of the router's and both engines' logs, for a failure message."""
-    texts = {
-        "router": stack.router_log.read_text(errors="replace"),
-        "prefill": stack.pair.prefill.log_text(),
-        "decode": stack.pair.decode.log_text(),
-    }
+    router = stack.router_log.read_text(errors="replace").splitlines()[-lines:]
     return "\n".join(
-        f"--- {name} ---\n" + "\n".join(text.splitlines()[-lines:]) for name, text in texts.items()
+        [
+            "--- router ---",
+            *router,
+            "--- prefill ---",
+            stack.pair.prefill.log_tail(lines),
+            "--- decode ---",
+            stack.pair.decode.log_tail(lines),
+        ]
     )
 
 
