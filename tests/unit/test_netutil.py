@@ -1,0 +1,54 @@
+"""free_port: ports from outside the kernel's ephemeral range, never handed out twice."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from vllm_hybrid_nixl.common.netutil import LOWEST_PORT, ephemeral_range, free_port, pick_range
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("ephemeral", "expected"),
+    [
+        ((32768, 60999), (LOWEST_PORT, 32767)),  # Linux's default
+        ((1024, 50000), (50001, 65535)),
+        ((20500, 65535), None),  # no side 1000 ports wide: the kernel picks
+        (None, None),
+    ],
+)
+def test_the_range_lies_outside_the_ephemeral_ports(ephemeral, expected) -> None:
+    assert pick_range(ephemeral) == expected
+
+
+def test_ports_are_bindable_distinct_and_outside_this_kernels_ephemeral_range() -> None:
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    ephemeral = ephemeral_range()
+    low_high = pick_range(ephemeral)
+    if low_high is not None:
+        assert all(low_high[0] <= port <= low_high[1] for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))  # still free: nothing took it
+
+
+def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch) -> None:
+    from vllm_hybrid_nixl.common import netutil
+
+    given = free_port()
+    with socket.socket() as holder:  # a port some other program holds
+        holder.bind(("127.0.0.1", 0))
+        held = holder.getsockname()[1]
+        spare = next(
+            port
+            for port in range(LOWEST_PORT, 65536)
+            if ("127.0.0.1", port) not in netutil._handed_out
+            and netutil.can_bind("127.0.0.1", port)
+        )
+        candidates = iter([held, given, spare])
+        monkeypatch.setattr(netutil._random, "randint", lambda low, high: next(candidates))
+        monkeypatch.setattr(netutil, "pick_range", lambda ephemeral: (1, 65535))
+        assert free_port() == spare
