@@ -102,13 +102,13 @@ def bench_serve(
 
 def prefix_cache_counts(engine_url: str) -> tuple[float, float]:
     """An engine's prefix-cache hits and queries (prompt tokens) so far, from its /metrics."""
-    hits = queries = 0.0
-    for line in httpx.get(f"{engine_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
+
+    text = read_metrics(engine_url)
+    return (
+        sample_sum(text, "vllm:prefix_cache_hits_total"),
+        sample_sum(text, "vllm:prefix_cache_queries_total"),
+    )
 
 
 def hit_shares(

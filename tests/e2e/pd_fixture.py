@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness.releases import STOCK_REFUSAL
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
@@ -82,27 +85,33 @@ def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
 
 def engine_posts(url: str) -> float:
     """POSTs to the OpenAI routes the engine counted (any status), from its /metrics."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if (
-            line.startswith("http_requests_total{")
-            and 'method="POST"' in line
-            and ('handler="/v1/completions"' in line or 'handler="/v1/chat/completions"' in line)
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    text = read_metrics(url)
+    return sum(
+        sample_sum(text, "http_requests_total", method="POST", handler=route)
+        for route in ("/v1/completions", "/v1/chat/completions")
+    )
 
 
 def metric_sum(url: str, sample: str, **labels: str) -> float:
     """The sum of ``url``'s /metrics samples named ``sample`` whose labels include ``labels``
     (0 when there is none yet)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        found.value
-        for family in text_string_to_metric_families(text)
-        for found in family.samples
-        if found.name == sample and labels.items() <= found.labels.items()
-    )
+    return sample_sum(read_metrics(url), sample, **labels)
+
+
+@contextmanager
+def compute_paused(*engine_pids: int) -> Iterator[None]:
+    """Stop (SIGSTOP) every process below each engine's API server — its engine core and
+    workers — and continue them on exit: the API servers still take requests and
+    disconnects, but no request can make progress, whatever the machine's speed."""
+    below = [p for pid in engine_pids for p in psutil.Process(pid).children(recursive=True)]
+    for process in below:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in below:
+            with suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGCONT)
 
 
 def request_reruns(router_url: str) -> float:

@@ -29,6 +29,7 @@ from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
+from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 
@@ -155,7 +156,7 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
         assert answer.json()["choices"][0]["text"] == expected[prompt]
         # Before 0.32 the decode engine computes the refused prompt itself: no re-run needed.
         reruns = 1 if compat.transfer_results_api() else 0
-        assert metric(metrics, "router_lease_reruns_total") == reruns
+        assert sample_sum(metrics, "router_lease_reruns_total") == reruns
         assert engine_posts(expiring.spec.url) == 1
         assert "its lease expired" in guarded.decode.log_text()
     finally:
@@ -172,10 +173,3 @@ def wait_router_ready(url: str, timeout_s: float = 120) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"router engines not up: {health}")
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0

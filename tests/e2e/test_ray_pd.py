@@ -18,18 +18,28 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
-from tests.e2e.pd_fixture import colocated_texts, engine_posts, request_reruns
+from tests.e2e.pd_fixture import (
+    colocated_texts,
+    compute_paused,
+    engine_posts,
+    metric_sum,
+    request_reruns,
+)
 from vllm_hybrid_nixl.deploy.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
 from vllm_hybrid_nixl.deploy.ray.config import make_config
 from vllm_hybrid_nixl.deploy.ray.deployment import PDDeployment
 from vllm_hybrid_nixl.router.settings import RouterKeys
@@ -178,7 +188,8 @@ def test_greedy_output_through_router_equals_colocated_and_kv_came_over_nixl(
     assert sum(m.external_prompt_tokens for m in moved) >= prompt_tokens - len(PROMPTS)
     assert all(m.nixl_bytes > 0 and m.failed_transfers == 0 for m in moved)  # both served
     for url in deployment.urls("prefill"):  # round-robin reached every prefill engine
-        assert f'router_leg_requests_total{{engine="{url}",leg="prefill",outcome="ok"}}' in metrics
+        legs = sample_sum(metrics, "router_leg_requests_total", engine=url, outcome="ok")
+        assert legs > 0, metrics
 
 
 def stream_text(client: httpx.Client, url: str, path: str, body: dict) -> str:
@@ -368,12 +379,14 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     time.sleep(deployment.router_settings.keepalive_expiry_s + 2.0)
     httpx.get(f"{deployment.router_url}/v1/models", headers=ROUTER, timeout=30)
     metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
-    assert "router_in_flight_requests 0.0" in metrics
-    assert all(
-        line.endswith(" 0.0")
-        for line in metrics.splitlines()
-        if line.startswith("router_engine_in_flight_legs{")
-    ), metrics
+    assert sample_sum(metrics, "router_in_flight_requests") == 0, metrics
+    legs = [
+        sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "router_engine_in_flight_legs"
+    ]
+    assert legs and all(count == 0 for count in legs), metrics
     assert router_engine_connections(deployment) <= connections_before + 1
     router_rss = psutil.Process(deployment.router.pid).memory_info().rss
     assert router_rss - router_rss_before < 64 * 2**20
@@ -416,12 +429,8 @@ def killed_engines() -> list[tuple[str, int, float]]:
 
 
 def metric_value(deployment: PDDeployment, name: str, **labels: str) -> float:
-    """One sample of the router's /metrics (0 when it is not there yet)."""
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    for line in httpx.get(f"{deployment.router_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") and all(w in line for w in wanted):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The router's /metrics samples ``name`` with ``labels``, summed (0 when none yet)."""
+    return metric_sum(deployment.router_url, name, **labels)
 
 
 def test_a_stalled_prefill_engine_gets_fewer_new_legs(
@@ -432,8 +441,6 @@ def test_a_stalled_prefill_engine_gets_fewer_new_legs(
     in-flight count up, so new legs go to prefill-1; strict rotation would have sent every
     other leg to the stopped engine and stalled both clients. The router's metrics show the
     decisions. Then it continues, the stuck leg completes, and every answer is right."""
-    import threading
-
     bodies = [b for b in load_bodies(str(tiny_hybrid_model)) if not b["stream"]][:8]
     bodies = [{**b, "max_tokens": 4} for b in bodies]
     expected = expected_texts(deployment, bodies)
@@ -542,20 +549,18 @@ def send_async_sync(url: str, body: dict) -> tuple[int, str]:
 
 
 def leg_ok_count(deployment: PDDeployment, engine_url: str) -> float:
-    metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
-    for line in metrics.splitlines():
-        if line.startswith("router_leg_requests_total{") and f'engine="{engine_url}"' in line:
-            if 'outcome="ok"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """Legs the router counted as answered by the engine at ``engine_url``."""
+    return metric_value(deployment, "router_leg_requests_total", engine=engine_url, outcome="ok")
 
 
 def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
     deployment: PDDeployment, tiny_hybrid_model, killed_engines: list
 ) -> None:
-    """The decode engine is killed at the stream's first event. Its PIDs are read before the
-    request and the kill is one signal, so the decode engine still has hundreds of tokens to go
-    however fast it computes: each token is one engine step of its own."""
+    """The decode engine that took the leg is killed at the stream's first event. Which one
+    took it is read while both decode engines' cores are paused (SIGSTOP by PID), so the leg
+    cannot finish before the router's in-flight count is read, however fast the engines are;
+    the chosen engine then continues and is killed (one signal, nothing between) as soon as
+    the client sees the first event, with hundreds of tokens still to go."""
     max_tokens = 900  # the prompt is under 40 tokens; max_model_len is 1024
     body = {
         "model": str(tiny_hybrid_model),
@@ -568,32 +573,54 @@ def test_killed_decode_engine_mid_stream_ends_the_stream_with_an_error(
     pids = {
         e.name: engine_pid(deployment, e.name) for e in deployment.engines if e.role == "decode"
     }
-    events, error, killed = 0, None, None
+    target: dict[str, str] = {}
+    chosen = threading.Event()
+    seen: dict[str, Any] = {"events": 0, "error": None, "killed": None, "status": None}
+
+    def client() -> None:
+        with httpx.Client(timeout=300.0, headers=ROUTER) as http:
+            with http.stream("POST", f"{deployment.router_url}/v1/completions", json=body) as r:
+                seen["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        seen["error"] = event["error"]
+                        return
+                    seen["events"] += 1
+                    if seen["killed"] is None and chosen.wait(300) and "name" in target:
+                        name = target["name"]
+                        seen["killed"] = (name, kill_engine(deployment, name, pids[name]))
+
     started = time.monotonic()
-    with httpx.Client(timeout=120.0, headers=ROUTER) as client:
-        with client.stream("POST", f"{deployment.router_url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]
-                    break
-                events += 1
-                if killed is None:
-                    health = client.get(f"{deployment.router_url}/health").json()
-                    busy = [
-                        e["name"]
-                        for e in health["engines"]
-                        if e["role"] == "decode" and e["in_flight"] > 0
-                    ]
-                    assert len(busy) == 1, health
-                    killed = (busy[0], kill_engine(deployment, busy[0], pids[busy[0]]))
-    assert killed, "the stream ended before a decode engine could be killed"
+    streaming = threading.Thread(target=client, name="stream-client", daemon=True)
+    try:
+        with compute_paused(*pids.values()):
+            streaming.start()
+            deadline = time.monotonic() + 120
+            busy: list[str] = []
+            while not busy and time.monotonic() < deadline:
+                health = httpx.get(f"{deployment.router_url}/health", timeout=30).json()
+                busy = [
+                    e["name"]
+                    for e in health["engines"]
+                    if e["role"] == "decode" and e["in_flight"] > 0
+                ]
+                time.sleep(0.2)
+            assert len(busy) == 1, f"no decode leg reached a paused decode engine: {health}"
+            target["name"] = busy[0]
+    finally:
+        chosen.set()  # the client kills the chosen engine at its first event
+    streaming.join(timeout=300)
+    assert not streaming.is_alive(), "the stream neither ended nor failed within 300 s"
+    assert seen["status"] == 200, seen
+    assert seen["killed"], "the stream ended before a decode engine could be killed"
+    error, events = seen["error"], seen["events"]
     assert error is not None, f"stream ended after {events} events without an error event"
     assert "while streaming" in error["message"] and "incomplete" in error["message"]
     assert events < max_tokens
+    killed = seen["killed"]
     print(f"\nFAULT decode kill mid-stream: error event after {time.monotonic() - started:.1f}s")
     killed_engines.append((*killed, time.monotonic()))
     # The other decode engine keeps serving at once.

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from tests.e2e.pd_fixture import (
     COMMON_ARGS,
     PdPair,
     colocated_texts,
+    compute_paused,
     engine_posts,
     metric_sum,
     request_reruns,
@@ -35,6 +34,7 @@ from tests.e2e.pd_fixture import (
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.router.auth import EngineAccessError
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
@@ -388,13 +388,10 @@ def test_64_concurrent_requests_through_1p1d_all_correct_and_router_returns_to_b
 
 def engine_load(url: str) -> tuple[float, float]:
     """(requests running or waiting, KV-cache usage) from an engine's /metrics."""
-    running = usage = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
-            running += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:kv_cache_usage_perc{"):
-            usage += float(line.rsplit(" ", 1)[1])
-    return running, usage
+    text = read_metrics(url)
+    running = sample_sum(text, "vllm:num_requests_running")
+    waiting = sample_sum(text, "vllm:num_requests_waiting")
+    return running + waiting, sample_sum(text, "vllm:kv_cache_usage_perc")
 
 
 def wait_engines_idle(stack: Stack, timeout_s: float = 60.0) -> dict[str, tuple]:
@@ -412,22 +409,6 @@ def answer_so_far(connection: socket.socket) -> bytes:
     """What the router has sent on ``connection`` so far, without consuming or waiting."""
     readable, _, _ = select.select([connection], [], [], 0)
     return connection.recv(4096, socket.MSG_PEEK) if readable else b""
-
-
-@contextmanager
-def compute_paused(engine_pid: int) -> Iterator[None]:
-    """Stop (SIGSTOP) every process below the engine's API server — its engine core — and
-    continue them on exit: the API server still takes requests and disconnects, but no
-    request can make progress, whatever the machine's speed."""
-    below = psutil.Process(engine_pid).children(recursive=True)
-    for process in below:
-        process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for process in below:
-            with suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGCONT)
 
 
 def received_requests(engine: EngineProcess) -> int:

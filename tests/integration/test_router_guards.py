@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterProcess, RouterServer
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
@@ -56,11 +57,7 @@ def error_of(response: httpx.Response) -> dict:
 
 def leg_count(router: RouterServer) -> float:
     text = httpx.get(f"{router.url}/metrics", headers=auth(KEY)).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("router_leg_requests_total")
-    )
+    return sample_sum(text, "router_leg_requests_total")
 
 
 def auth(key: str) -> dict[str, str]:
@@ -194,12 +191,7 @@ def test_router_process_runs_apart_and_stops_by_pid(keyed_router: RouterProcess)
     assert keyed_router.pid and keyed_router.pid != os.getpid()
     metrics = httpx.get(f"{keyed_router.url}/metrics", headers=auth(KEY)).text
     # its event loop is watched: lag samples accumulate while it idles
-    count = next(
-        float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith("router_event_loop_lag_seconds_count")
-    )
-    assert count > 0
+    assert sample_sum(metrics, "router_event_loop_lag_seconds_count") > 0
     spare = RouterProcess(BackendPool.from_urls([nowhere()], [nowhere()])).start()
     pid = spare.pid
     assert httpx.get(f"{spare.url}/health").status_code in (200, 503)

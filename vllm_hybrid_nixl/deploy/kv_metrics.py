@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 
 
 @dataclass(frozen=True)
@@ -26,17 +27,9 @@ def read_kv_transfer_counters(
     engine_url: str, client: httpx.Client | None = None
 ) -> KvTransferCounters:
     """Sum vLLM's KV-transfer counters over all label sets of one engine."""
-    text = (client or httpx).get(f"{engine_url}/metrics", timeout=10.0).text
-    external = nixl_bytes = failed = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (
-                sample.name == "vllm:prompt_tokens_by_source_total"
-                and sample.labels.get("source") == "external_kv_transfer"
-            ):
-                external += sample.value
-            elif sample.name == "vllm:nixl_bytes_transferred_sum":
-                nixl_bytes += sample.value
-            elif sample.name == "vllm:nixl_num_failed_transfers_total":
-                failed += sample.value
-    return KvTransferCounters(external, nixl_bytes, failed)
+    text = read_metrics(engine_url, client, timeout_s=10.0)
+    return KvTransferCounters(
+        sample_sum(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+        sample_sum(text, "vllm:nixl_bytes_transferred_sum"),
+        sample_sum(text, "vllm:nixl_num_failed_transfers_total"),
+    )
