@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy
 
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
@@ -42,8 +43,9 @@ SINGLE_REQUEST_ROUNDS = 5  # rounds multiplier at concurrency 1
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    """The ``q``-th percentile (0-100) of ``values``, linear between the nearest ranks
+    (numpy's default); NaN for none."""
+    return float(numpy.percentile(values, q)) if values else float("nan")
 
 
 async def timed_request(
@@ -112,7 +114,7 @@ def measure(
             itl = [s[2] for s in samples[way] if not math.isnan(s[2])]
             row[way] = {
                 "p50_s": statistics.median(total),
-                "p99_s": percentile(total, 0.99),
+                "p99_s": percentile(total, 99),
                 "ttft_p50_s": statistics.median(ttft),
                 "itl_p50_ms": statistics.median(itl) * 1e3 if itl else math.nan,
                 # output tokens per second over the round: every request's tokens / p50 time

@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from bench.end_to_end import RESULTS, start_stack, wait_for_health
+from bench.end_to_end import RESULTS, percentile, start_stack, wait_for_health
 
 TARGETS = ("ours", "vllm_router", "decode_alone")
 HEADLINE_CONCURRENCY = (8, 32)
@@ -129,6 +129,7 @@ def run_seed(round_index: int, concurrency: int, target_index: int) -> int:
 
 def measure(
     urls: dict[str, str],
+    engines: dict[str, str],
     pids: dict[str, int],
     model: str,
     concurrency: list[int],
@@ -142,7 +143,6 @@ def measure(
             shift = round_index % len(TARGETS)
             for target in TARGETS[shift:] + TARGETS[:shift]:
                 seed = run_seed(round_index, c, TARGETS.index(target))
-                engines = {role: urls[role] for role in ("prefill", "decode")}
                 cached = {role: prefix_cache_counts(url) for role, url in engines.items()}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 result = bench_serve(urls[target], model, c, prompts_for(c, per_slot), out, seed)
@@ -178,17 +178,6 @@ def measure(
                     flush=True,
                 )
     return runs
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, linear between the nearest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -254,13 +243,15 @@ def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
         peer = None
         try:
             peer, peer_url = start_vllm_router(urls["prefill"], urls["decode"], work / "vr.log")
-            targets = {"ours": urls["router"], "vllm_router": peer_url}
-            targets.update(
-                decode_alone=urls["decode"], prefill=urls["prefill"], decode=urls["decode"]
-            )
+            targets = {
+                "ours": urls["router"],
+                "vllm_router": peer_url,
+                "decode_alone": urls["decode"],
+            }
+            engines = {role: urls[role] for role in ("prefill", "decode")}
             pids = {"ours": router_pid, "vllm_router": peer.pid}
             warm_up(targets["ours"], model)
-            runs = measure(targets, pids, model, concurrency, rounds, per_slot, work)
+            runs = measure(targets, engines, pids, model, concurrency, rounds, per_slot, work)
         finally:
             if peer is not None:
                 peer.terminate()

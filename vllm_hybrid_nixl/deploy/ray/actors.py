@@ -82,13 +82,13 @@ class EngineActor:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
-    def node_facts(self) -> tuple[str, list[int], str]:
-        """(Ray node id, the cores this node may run on, its machine): the deployment shares
+    def node_facts(self) -> tuple[list[int], str]:
+        """(The cores this node may run on, its machine): the deployment shares
         the cores among the engines placed on the machine with them. The cores are the
         raylet's CPU affinity (a container's cpuset, ``taskset``), not every core of the
         machine, so raylets given disjoint cores on one machine never put two engines on
         one core; the machine (``placement.machine_id``) groups raylets that share cores."""
-        return self.node_id, sorted(os.sched_getaffinity(0)) or [0], machine_id()
+        return sorted(os.sched_getaffinity(0)) or [0], machine_id()
 
     def start(self, cpu_cores: list[int] | None = None) -> dict[str, Any]:
         """Start the engine; ``cpu_cores``: its share of this node's cores (CPU engines)."""

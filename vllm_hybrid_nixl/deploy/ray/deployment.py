@@ -242,7 +242,7 @@ class PDDeployment:
         facts = ray.get([e.actor.node_facts.remote() for e in self.engines], timeout=120)
         placed = [
             PlacedEngine(engine.name, engine.role, machine, tuple(cores))
-            for engine, (_, cores, machine) in zip(self.engines, facts, strict=True)
+            for engine, (cores, machine) in zip(self.engines, facts, strict=True)
         ]
         return core_shares(placed)
 
