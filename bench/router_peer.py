@@ -209,7 +209,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 [r for r in runs if str(r["concurrency"]) == c and r["target"] == target]
             )
     headline: dict[str, float] = {}
-    both = [str(c) for c in HEADLINE_CONCURRENCY if str(c) in table]
+    both = [
+        str(c)
+        for c in HEADLINE_CONCURRENCY
+        if {"ours", "vllm_router"} <= set(table.get(str(c), {}))
+    ]
     if both:
         headline["router_vs_vllm_router_throughput"] = min(
             table[c]["ours"]["output_tokens_per_s"] / table[c]["vllm_router"]["output_tokens_per_s"]
@@ -218,7 +222,26 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         headline["router_vs_vllm_router_p99_ttft"] = max(
             table[c]["ours"]["ttft_p99_ms"] / table[c]["vllm_router"]["ttft_p99_ms"] for c in both
         )
-    return {"by_concurrency": table, "headline": headline}
+    return {"by_concurrency": table, "headline": headline, "per_round": per_round_ratios(runs)}
+
+
+def per_round_ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Ours / vllm-router within each round, per concurrency: ``throughput`` (output
+    tokens/s) and ``p99_ttft``. The two ran minutes apart in the same round, so drift of the
+    machine between rounds cancels; the spread says how far one round's luck goes."""
+    found: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        if run["target"] in ("ours", "vllm_router"):
+            found.setdefault((str(run["concurrency"]), run["round"]), {})[run["target"]] = run
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for (c, _), pair in sorted(found.items(), key=lambda item: (int(item[0][0]), item[0][1])):
+        if len(pair) < 2:
+            continue
+        ours, peer = pair["ours"], pair["vllm_router"]
+        row = ratios.setdefault(c, {"throughput": [], "p99_ttft": []})
+        row["throughput"].append(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
+        row["p99_ttft"].append(ours["ttft_p99_ms"] / peer["ttft_p99_ms"])
+    return ratios
 
 
 def warm_up(url: str, model: str) -> None:
@@ -275,6 +298,15 @@ def table(result: dict[str, Any]) -> str:
                 f"| {c} | {target} | {row['output_tokens_per_s']:.0f} | "
                 f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | {row['e2el_p50_ms']:.0f} "
                 f"| {'' if cpu is None else f'{cpu:.1f}'} |"
+            )
+    rounds = result.get("per_round", {})
+    if rounds:
+        lines += ["", "| ours / vllm-router, round by round: concurrent | throughput | TTFT p99 |"]
+        lines.append("|---|---|---|")
+        for c, row in rounds.items():
+            lines.append(
+                f"| {c} | {' '.join(f'{x:.2f}' for x in row['throughput'])} | "
+                f"{' '.join(f'{x:.2f}' for x in row['p99_ttft'])} |"
             )
     return "\n".join(lines) + "\n"
 

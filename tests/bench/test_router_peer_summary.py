@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from bench.router_peer import TARGETS, hit_shares, percentile, run_seed, summarize
+from bench.router_peer import TARGETS, hit_shares, percentile, run_seed, summarize, table
 
 
-def run(target: str, concurrency: int, ttfts: list[float], tokens: int, seconds: float) -> dict:
+def run(
+    target: str,
+    concurrency: int,
+    ttfts: list[float],
+    tokens: int,
+    seconds: float,
+    round_index: int = 0,
+) -> dict:
     return {
+        "round": round_index,
         "target": target,
+        "output_tokens_per_s": tokens / seconds,
+        "ttft_p99_ms": percentile(ttfts, 99),
         "concurrency": concurrency,
         "duration_s": seconds,
         "output_tokens": tokens,
@@ -34,9 +44,9 @@ def test_rounds_are_pooled_not_averaged() -> None:
     stalled = [100.0] * 98 + [3000.0] * 2
     runs = [
         run("ours", 8, quiet, 3200, 4.0),
-        run("ours", 8, stalled, 3200, 12.0),
+        run("ours", 8, stalled, 3200, 12.0, round_index=1),
         run("vllm_router", 8, quiet, 3200, 8.0),
-        run("vllm_router", 8, quiet, 3200, 8.0),
+        run("vllm_router", 8, quiet, 3200, 8.0, round_index=1),
     ]
     result = summarize(runs)
     ours = result["by_concurrency"]["8"]["ours"]
@@ -77,3 +87,23 @@ def test_hit_share_is_per_run_and_none_for_an_engine_that_saw_no_prompt() -> Non
     before = {"prefill": (1000.0, 4000.0), "decode": (50.0, 100.0)}
     after = {"prefill": (1300.0, 5000.0), "decode": (50.0, 100.0)}
     assert hit_shares(before, after) == {"prefill": pytest.approx(0.3), "decode": None}
+
+
+def test_each_round_pairs_ours_with_the_peer_of_the_same_round() -> None:
+    """Round 0: ours twice the peer's throughput; round 1: half of it, with a stall. The
+    pooled throughput hides that the rounds disagree; the per-round ratios show it."""
+    runs = [
+        run("ours", 8, [100.0] * 10, 1000, 1.0),
+        run("vllm_router", 8, [100.0] * 10, 1000, 2.0),
+        run("decode_alone", 8, [10.0] * 10, 1000, 0.5),
+        run("vllm_router", 8, [100.0] * 10, 1000, 2.0, round_index=1),
+        run("ours", 8, [100.0] * 9 + [400.0], 1000, 4.0, round_index=1),
+        run("ours", 32, [100.0] * 10, 1000, 1.0),  # its peer never ran: no pair
+    ]
+    result = summarize(runs)
+    per_round = result["per_round"]
+    assert list(per_round) == ["8"]
+    assert per_round["8"]["throughput"] == pytest.approx([2.0, 0.5])
+    assert per_round["8"]["p99_ttft"][0] == pytest.approx(1.0)
+    assert per_round["8"]["p99_ttft"][1] > 3.0
+    assert "| 8 | 2.00 0.50 |" in table(result)
