@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -131,7 +132,15 @@ def test_engines_are_placed_on_their_nodes_and_advertise_node_ips(deployment: PD
         assert f"{KEEP_ALIVE_VAR}={ENGINE_KEEP_ALIVE_S}".encode() in environ, e.name
         bind = [v for v in environ if v.startswith(b"VLLM_CPU_OMP_THREADS_BIND=")]
         assert bind, f"{e.name} was given no cores"
-        cores[e.role] |= parse_cpu_list(bind[0].split(b"=", 1)[1].decode())
+        share = parse_cpu_list(bind[0].split(b"=", 1)[1].decode())
+        # the whole engine runs on its share, not only its compute threads
+        engine_processes = [e.info["pid"]] + [
+            child.pid for child in psutil.Process(e.info["pid"]).children(recursive=True)
+        ]
+        assert {pid: os.sched_getaffinity(pid) for pid in engine_processes} == dict.fromkeys(
+            engine_processes, share
+        ), e.name
+        cores[e.role] |= share
     # the two raylets may both use every core; the roles still never share one
     assert cores["prefill"] and cores["decode"] and not cores["prefill"] & cores["decode"], cores
 
@@ -319,8 +328,6 @@ def decode_posts(deployment: PDDeployment) -> float:
 
 
 def router_engine_connections(deployment: PDDeployment) -> int:
-    import psutil
-
     ports = {
         int(url.rsplit(":", 1)[1]) for url in deployment.urls("prefill") + deployment.urls("decode")
     }
@@ -341,8 +348,6 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     deployment: PDDeployment, tiny_hybrid_model
 ) -> None:
     import asyncio
-
-    import psutil
 
     bodies = load_bodies(str(tiny_hybrid_model))
     expected = expected_texts(deployment, bodies)
