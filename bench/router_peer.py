@@ -83,7 +83,10 @@ def cpu_seconds(pid: int) -> float:
 def bench_serve(
     url: str, model: str, concurrency: int, prompts: int, out: Path, seed: int = 0
 ) -> dict:
-    """One ``vllm bench serve`` run with the prompts of ``seed``; its saved result."""
+    """One ``vllm bench serve`` run with the prompts of ``seed``; its saved result. Each run
+    first sends ``concurrency`` untimed requests at once through the same target (vLLM's
+    ``--num-warmups``): a router whose idle connections expired between its runs opens them
+    then, not in the timed burst, and every target gets the same warm-up."""
     name = f"run-{time.monotonic_ns()}.json"
     command = [
         sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "bench", "serve",
@@ -93,6 +96,7 @@ def bench_serve(
         "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(out),
         "--result-filename", name, "--percentile-metrics", "ttft,itl,e2el",
         "--metric-percentiles", "50,99", "--save-detailed", "--seed", str(seed),
+        "--num-warmups", str(concurrency),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
