@@ -5,7 +5,9 @@ One prefill and one decode ``vllm serve`` (tiny hybrid model, HybridNixlConnecto
 each); our router as its own process (``vllm-hybrid-nixl router``) and ``vllm-router
 --vllm-pd-disaggregation``, both pointing at them. ``vllm bench serve`` (random prompts,
 ``--ignore-eos``) runs against each target in turn, for each concurrency, round after round,
-with the order of targets rotated every round, so machine noise hits all alike. Every run
+with the order of targets rotated every round, so machine noise hits all alike, after one
+untimed round (the rotation starts every concurrency with our router, which would otherwise
+meet the engines' first batches of that size alone). Every run
 draws prompts of its own (``--seed``): with one seed for all, every run after the first found
 its prompts in the engines' prefix caches (measured here at 32 concurrent: prefill cache hits
 33k of 98k prompt tokens on the first run, 83k on each repeat), so whichever target ran first
@@ -137,12 +139,14 @@ def measure(
     pids: dict[str, int],
     model: str,
     concurrency: list[int],
-    rounds: int,
+    rounds: range,
     per_slot: int,
     out: Path,
 ) -> list[dict[str, Any]]:
+    """One run per target, concurrency and round of ``rounds`` (their indexes pick the
+    prompts and the order of the targets)."""
     runs: list[dict[str, Any]] = []
-    for round_index in range(rounds):
+    for round_index in rounds:
         for c in concurrency:
             shift = round_index % len(TARGETS)
             for target in TARGETS[shift:] + TARGETS[:shift]:
@@ -278,7 +282,13 @@ def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
             engines = {role: urls[role] for role in ("prefill", "decode")}
             pids = {"ours": router_pid, "vllm_router": peer.pid}
             warm_up(targets["ours"], model)
-            runs = measure(targets, engines, pids, model, concurrency, rounds, per_slot, work)
+            # An untimed round first (prompts of its own): whichever target runs first at a
+            # concurrency would otherwise meet the engines' first batches of that size.
+            print("  warm-up round (not counted)", file=sys.stderr, flush=True)
+            measure(targets, engines, pids, model, concurrency, range(rounds, rounds + 1), 2, work)
+            runs = measure(
+                targets, engines, pids, model, concurrency, range(rounds), per_slot, work
+            )
         finally:
             if peer is not None:
                 peer.terminate()
