@@ -165,3 +165,20 @@ def assert_stock_refuses_at_start_up(model: Path, log: Path, env: dict[str, str]
             httpx.get(f"{spec.url}/health", timeout=5).raise_for_status()
     finally:
         engine.stop()
+
+
+def wait_router_ready(url: str, timeout_s: float = 120, layouts: bool = False) -> None:
+    """Until the router's probes have seen every engine healthy (and, with ``layouts``, read
+    every engine's layout): its start-up probe round may have missed an engine busy on a
+    shared core; the next round, seconds later, finds it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        engines = health.get("engines", [])
+        known = not layouts or not any(
+            str(e.get("layout", "unknown")).startswith("unknown") for e in engines
+        )
+        if engines and all(e.get("up") for e in engines) and known:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"router engines not up: {health}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import COMMON_ARGS
+from tests.e2e.pd_fixture import COMMON_ARGS, wait_router_ready
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
@@ -136,6 +136,7 @@ def mismatched_router(engines: Engines) -> Iterator[RouterServer]:
     )
     router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:
+        wait_router_ready(router.url)
         yield router
     finally:
         router.stop()

@@ -9,7 +9,6 @@ the same scenario answers HTTP 200 with wrong tokens, so these tests can fail.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tests.e2e.lease_scenario import (
     late_legs,
     prefill_legs,
 )
-from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair
+from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair, wait_router_ready
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
@@ -161,15 +160,3 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
         assert "its lease expired" in guarded.decode.log_text()
     finally:
         router.stop()
-
-
-def wait_router_ready(url: str, timeout_s: float = 120) -> None:
-    """Until the router's probes have seen every engine healthy."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health", timeout=30).json()
-        engines = health.get("engines", [])
-        if engines and all(e.get("up") for e in engines):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"router engines not up: {health}")

@@ -10,7 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import WORKER_LINE, PdPair, run_pd_and_colocated, start_pair
+from tests.e2e.pd_fixture import (
+    WORKER_LINE,
+    PdPair,
+    run_pd_and_colocated,
+    start_pair,
+    wait_router_ready,
+)
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.connector.thread_priority import cpu_seconds
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
@@ -96,6 +102,7 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
     )
     router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:
+        wait_router_ready(router.url, layouts=True)
         health = httpx.get(f"{router.url}/health", timeout=30).json()
         layouts = [engine["layout"] for engine in health["engines"]]
         assert all("block_size=64" in layout for layout in layouts), layouts
