@@ -237,16 +237,16 @@ def per_round_ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[flo
     """Ours / vllm-router within each round, per concurrency: ``throughput`` (output
     tokens/s) and ``p99_ttft``. The two ran minutes apart in the same round, so drift of the
     machine between rounds cancels; the spread says how far one round's luck goes."""
-    found: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    found: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for run in runs:
         if run["target"] in ("ours", "vllm_router"):
-            found.setdefault((str(run["concurrency"]), run["round"]), {})[run["target"]] = run
+            found.setdefault((run["concurrency"], run["round"]), {})[run["target"]] = run
     ratios: dict[str, dict[str, list[float]]] = {}
-    for (c, _), pair in sorted(found.items(), key=lambda item: (int(item[0][0]), item[0][1])):
+    for (c, _), pair in sorted(found.items()):
         if len(pair) < 2:
             continue
         ours, peer = pair["ours"], pair["vllm_router"]
-        row = ratios.setdefault(c, {"throughput": [], "p99_ttft": []})
+        row = ratios.setdefault(str(c), {"throughput": [], "p99_ttft": []})
         row["throughput"].append(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
         row["p99_ttft"].append(ours["ttft_p99_ms"] / peer["ttft_p99_ms"])
     return ratios

@@ -28,7 +28,6 @@ import httpx
 import psutil
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 from tests.e2e.pd_fixture import (
@@ -40,7 +39,7 @@ from tests.e2e.pd_fixture import (
 )
 from vllm_hybrid_nixl.deploy.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
-from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
+from vllm_hybrid_nixl.deploy.metrics_text import sample_sum, sample_values
 from vllm_hybrid_nixl.deploy.ray.config import make_config
 from vllm_hybrid_nixl.deploy.ray.deployment import PDDeployment
 from vllm_hybrid_nixl.router.settings import RouterKeys
@@ -385,12 +384,7 @@ def test_64_concurrent_requests_all_answered_correctly_once(
     httpx.get(f"{deployment.router_url}/v1/models", headers=ROUTER, timeout=30)
     metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=30).text
     assert sample_sum(metrics, "router_in_flight_requests") == 0, metrics
-    legs = [
-        sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == "router_engine_in_flight_legs"
-    ]
+    legs = sample_values(metrics, "router_engine_in_flight_legs")
     assert legs and all(count == 0 for count in legs), metrics
     assert router_engine_connections(deployment) <= connections_before + 1
     router_rss = psutil.Process(deployment.router.pid).memory_info().rss

@@ -164,7 +164,7 @@ class EngineProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() reaches vLLM's children
-                preexec_fn=partial(start_engine_child, self.spec.cores),
+                preexec_fn=partial(start_engine_child, cores),
             )
         return self
 
