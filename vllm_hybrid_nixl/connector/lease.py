@@ -10,6 +10,18 @@ on its prefill engine. A refused pin (released, unknown, restarted, unreachable)
 with the cause and handed to the worker, which reports the read as a failed KV load: vLLM
 then fails the request or recomputes it (``kv_load_failure_policy``), never samples from it.
 
+Before any of that, on every release, a decode request whose ``kv_transfer_params`` cannot be
+its own (the prefill's prompt digest differs from its prompt, another decode request on this
+engine already reads that prefill request, or the lease value is unusable) never reads them:
+it computes its prompt itself, so a batch answered with one prompt's parameters, a duplicated
+leg or a careless client gets right tokens and nothing foreign is cached. While a decode
+request waits for its turn, a background thread renews its lease; no message of the lease
+protocol, well-formed or not, can raise out of the scheduler.
+
+Prefill engines free each kept request exactly once, and only requests vLLM kept for a
+decode: leases that expire are reported through the worker (the path vLLM frees by), so a
+prefill engine that runs empty steps frees them within a step of expiry.
+
 Releases before 0.32 report failed loads only as invalid block ids, and their scheduler dies
 on those for models with several KV-cache groups (``(req_block_ids,) = get_block_ids(...)``
 in ``_update_requests_with_invalid_blocks``, measured on 0.27.1). There the pin happens when
@@ -20,18 +32,25 @@ and the log names the cause, whatever ``kv_load_failure_policy`` says.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 import time
+from array import array
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
 from vllm_hybrid_nixl.protocol.lease_wire import (
+    MAX_IDS,
     PARAMS_KEY,
     LeaseAddress,
+    LeaseAskFailed,
+    LeaseParamsError,
     LeaseServer,
-    LeaseUnreachable,
     ask,
 )
 
@@ -51,6 +70,32 @@ UNREACHABLE_HOLD_S = 10.0
 SLOW_PIN_S = 0.1
 #: Refusals a decode worker hands from its scheduler, on vLLM's connector metadata.
 REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
+#: Expired leases a prefill worker reports as finished sends, on vLLM's connector metadata.
+EXPIRED_ATTRIBUTE = "hybrid_lease_expired"
+#: Renewals of waiting decode requests' leases: at most this often, at least 3 per lease.
+RENEW_EVERY_S = 1.0
+
+
+def prompt_digest(token_ids: Sequence[int] | None) -> str:
+    """SHA-256 of a prompt's token ids (as 64-bit integers): binds a prefill to its prompt."""
+    return hashlib.sha256(array("q", token_ids or ()).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RemoteKv:
+    """Where a decode request's prefilled KV comes from, as its ``kv_transfer_params`` say."""
+
+    remote_req: str
+    engine: str
+    address: LeaseAddress | None
+    problem: str = ""  # why the lease value is unusable
+    prompt_tokens: int | None = None  # what the prefill engine prefilled (None: not said)
+    prompt_sha256: str = ""
+    lease_s: float = DEFAULT_LEASE_S
+
+    def describe(self) -> str:
+        where = f" ({self.address.host})" if self.address else ""
+        return f"prefill request {self.remote_req} on engine {self.engine}{where}"
 
 
 def refusal_message(
@@ -73,6 +118,12 @@ def refusal_message(
             "raise kv_lease_duration in the prefill engine's kv_connector_extra_config, or "
             "send decode legs sooner (a proxy or client that waits longer than the lease)"
         )
+    elif status.state is LeaseState.TAKEN:
+        cause = status.reason
+        change = (
+            "give every decode request its own prefill leg (one per prompt of a batch and "
+            "per choice of n > 1; the vllm-hybrid-nixl router does this)"
+        )
     else:
         cause = status.reason or (
             "the prefill engine does not know this request (restarted, or the request is "
@@ -87,9 +138,66 @@ def refusal_message(
     )
 
 
+def local_refusal_message(decode_req: str, remote: RemoteKv, cause: str, change: str) -> str:
+    """Why a decode request computes its prompt itself instead of reading ``remote``."""
+    return (
+        f"vllm-hybrid-nixl: request {decode_req} ({remote.describe()}): {cause}. The request "
+        f"computes its prompt on this engine instead of reading those KV blocks. What to "
+        f"change: {change}."
+    )
+
+
+class LeaseRenewer:
+    """A daemon thread that renews the leases of decode requests still waiting for their
+    turn, so a busy decode engine never lets a prefill engine release blocks it will read.
+    Nothing here runs in the engine's step; an unanswering prefill delays only this thread."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._waiting: dict[str, RemoteKv] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, decode_req: str, remote: RemoteKv) -> None:
+        with self._lock:
+            self._waiting[decode_req] = remote
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="hybrid-nixl-lease-renewer", daemon=True
+                )
+                self._thread.start()
+
+    def drop(self, decode_req: str) -> None:
+        with self._lock:
+            self._waiting.pop(decode_req, None)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                snapshot = list(self._waiting.values())
+            by_address: dict[LeaseAddress, list[str]] = defaultdict(list)
+            every = RENEW_EVERY_S
+            for remote in snapshot:
+                if remote.address is not None:
+                    by_address[remote.address].append(remote.remote_req)
+                    every = min(every, max(remote.lease_s / 3, 0.1))
+            for address, remote_reqs in by_address.items():
+                for start in range(0, len(remote_reqs), MAX_IDS):
+                    try:
+                        ask(address, "renew", remote_reqs[start : start + MAX_IDS], self._timeout_s)
+                    except LeaseAskFailed as exc:
+                        logger.warning("vllm-hybrid-nixl: lease renewal failed: %s", exc)
+            time.sleep(every)
+
+
 class LeaseHolderMixin:
-    """Connector (scheduler role): hold, serve and settle leases on prefill engines; pin
-    them before reading on decode engines."""
+    """Connector (scheduler role): hold, serve and settle leases on prefill engines; check,
+    renew and pin them before reading on decode engines."""
 
     connector_scheduler: Any
 
@@ -97,10 +205,13 @@ class LeaseHolderMixin:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         self._lease_server: LeaseServer | None = None
         self._lease_guard = False
-        self._lease_pending: dict[str, tuple[LeaseAddress, str, str]] = {}
+        self._lease_pending: dict[str, RemoteKv] = {}
         self._refused_early: set[str] = set()
         self._warned_unguarded = False
         self._unreachable: dict[LeaseAddress, tuple[float, str]] = {}
+        self._delayed: set[str] = set()  # prefill: requests vLLM keeps for a decode engine
+        self._claims: dict[tuple[str, str], str] = {}  # decode: remote request -> reader
+        self._renewer: LeaseRenewer | None = None
         if getattr(self, "connector_scheduler", None) is None:
             return  # worker role
         config = vllm_config.kv_transfer_config
@@ -110,6 +221,7 @@ class LeaseHolderMixin:
             return
         self._lease_policy = compat.kv_load_failure_policy(config)
         self._lease_timeout_s = float(config.get_from_extra_config(TIMEOUT_KEY, 2.0))
+        self._renewer = LeaseRenewer(self._lease_timeout_s)
         if config.is_kv_producer:
             self._start_lease_service(config)
 
@@ -134,121 +246,239 @@ class LeaseHolderMixin:
     # ---- prefill engine ------------------------------------------------------------------
 
     def _with_lease(self, request: Any, delay: bool, params: dict | None) -> dict | None:
+        if delay:
+            self._delayed.add(request.request_id)
         if self._lease_server is None or not delay or not params:
             return params
         if not params.get("do_remote_prefill"):
             return params  # not a prefill answer
-        self._lease_server.table.hold(request.request_id)
-        params[PARAMS_KEY] = self._lease_server.address.to_params()
+        table = self._lease_server.table
+        table.hold(request.request_id)
+        prompt = list(request.prompt_token_ids or ())
+        params[PARAMS_KEY] = {
+            **self._lease_server.address.to_params(),
+            "lease_s": table.lease_s,
+            "prompt_tokens": len(prompt),
+            "prompt_sha256": prompt_digest(prompt),
+        }
         return params
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self._refused_early.discard(request.request_id)
+        self._finished_on_decode(request.request_id)
         delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self._refused_early.discard(request.request_id)
+        self._finished_on_decode(request.request_id)
         delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._lease_server is not None:
             finished = set(connector_output.finished_sending or ())
-            connector_output.finished_sending = self._lease_server.table.settle(finished)
+            released = self._lease_server.table.settle(finished)
+            # Only what vLLM still keeps, each once: a late or repeated report of a request
+            # vLLM already freed would kill its scheduler.
+            free = (finished | released) & self._delayed
+            self._delayed -= free
+            connector_output.finished_sending = free
         super().update_connector_output(connector_output)  # type: ignore[misc]
+
+    def _expired_to_report(self) -> set[str]:
+        """Leases that ran out since the last step, for the worker to report as finished
+        sends (vLLM frees blocks only for what a worker reports)."""
+        if self._lease_server is None:
+            return set()
+        return self._lease_server.table.settle(set()) & self._delayed
 
     # ---- decode engine -------------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        parent = getattr(super(), "on_new_request", None)
+        if parent is not None:
+            parent(request)
+        if not self._lease_guard or self._renewer is None:
+            return
+        remote = self._lease_of(request)
+        if remote is not None and remote.address is not None and not remote.problem:
+            self._renewer.add(request.request_id, remote)
+
+    def _finished_on_decode(self, req_id: str) -> None:
+        self._refused_early.discard(req_id)
+        if self._renewer is not None:
+            self._renewer.drop(req_id)
+        for key in [k for k, owner in self._claims.items() if owner == req_id]:
+            del self._claims[key]
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        if self._lease_guard and not compat.transfer_results_api():
-            if self._refused_before_loading(request):
-                return 0, False  # nothing to load: the decode engine computes the prompt
+        if self._lease_guard and self._refused_before_loading(request):
+            params = request.kv_transfer_params
+            params["do_remote_prefill"] = False  # as vLLM marks a request it has dealt with
+            if self._renewer is not None:
+                self._renewer.drop(request.request_id)
+            return 0, False  # nothing to load: the decode engine computes the prompt
         return super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )
 
-    def _lease_of(self, request: Any) -> tuple[LeaseAddress, str, str] | None:
-        """(lease service, prefill request id, prefill engine id) of a request whose KV is to
-        come from a prefill engine; None when it has no lease (warned once: a stock peer)."""
+    def _lease_of(self, request: Any) -> RemoteKv | None:
+        """Where a request's KV is to come from; None when it comes from no prefill engine,
+        or from one that sent no lease (warned once: a stock peer)."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
-        address = LeaseAddress.from_params(params.get(PARAMS_KEY))
-        if address is None:
+        remote_req = str(params.get("remote_request_id"))
+        engine = str(params.get("remote_engine_id"))
+        lease = params.get(PARAMS_KEY)
+        if lease is None:
             if not self._warned_unguarded:
                 self._warned_unguarded = True
                 logger.warning(
                     "vllm-hybrid-nixl: prefill engine %s sent no KV lease (a stock "
                     "NixlConnector?); blocks it releases early cannot be detected",
-                    params.get("remote_engine_id"),
+                    engine,
                 )
             return None
-        return address, str(params.get("remote_request_id")), str(params.get("remote_engine_id"))
+        try:
+            address = LeaseAddress.parse(lease)
+        except LeaseParamsError as exc:
+            return RemoteKv(remote_req, engine, None, f"its {PARAMS_KEY} value is unusable: {exc}")
+        tokens, digest = lease.get("prompt_tokens"), lease.get("prompt_sha256")
+        lease_s = lease.get("lease_s", DEFAULT_LEASE_S)
+        if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or lease_s < 0:
+            lease_s = DEFAULT_LEASE_S
+        if tokens is None and digest is None:
+            return RemoteKv(remote_req, engine, address, lease_s=float(lease_s))
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not isinstance(digest, str):
+            problem = f"its {PARAMS_KEY} value has no usable prompt_tokens / prompt_sha256"
+            return RemoteKv(remote_req, engine, address, problem)
+        return RemoteKv(remote_req, engine, address, "", tokens, digest, float(lease_s))
 
-    def _refusal(
-        self, req_id: str, lease: tuple[LeaseAddress, str, str], status: LeaseStatus, policy: str
-    ) -> str:
-        address, remote_req, engine = lease
-        message = refusal_message(req_id, remote_req, engine, address, status, policy)
+    def _tokens_to_load(self, request: Any) -> int:
+        count = len(request.prompt_token_ids or ())
+        scheduler = getattr(self, "connector_scheduler", None)
+        trim = getattr(scheduler, "_get_remote_prefill_token_count", None)
+        return int(trim(count)) if trim is not None else count
+
+    def _mismatch(self, request: Any, remote: RemoteKv) -> str:
+        """Why ``remote`` cannot hold this request's prompt (empty when it can)."""
+        if remote.problem:
+            return remote.problem
+        if remote.prompt_tokens is None:
+            return ""  # an older peer of ours: no prompt binding to check
+        expected = self._tokens_to_load(request)
+        prompt = list(request.prompt_token_ids or ())[: remote.prompt_tokens]
+        if remote.prompt_tokens != expected or prompt_digest(prompt) != remote.prompt_sha256:
+            return (
+                f"the prefill engine prefilled another prompt ({remote.prompt_tokens} tokens, "
+                f"this request loads {expected}; the token digests differ): its "
+                "kv_transfer_params belong to another request (a prompt list or n > 1 sent "
+                "with one prefill's parameters?)"
+            )
+        return ""
+
+    def _refused_before_loading(self, request: Any) -> bool:
+        """Checks that need no read: the lease value, the prompt binding, one reader per
+        prefill request on this engine, and (before 0.32) the pin. True when refused."""
+        if request.request_id in self._refused_early:
+            return True
+        remote = self._lease_of(request)
+        if remote is None:
+            return False
+        message = ""
+        mismatch = self._mismatch(request, remote)
+        owner = self._claims.get((remote.engine, remote.remote_req))
+        if mismatch:
+            message = local_refusal_message(
+                request.request_id,
+                remote,
+                mismatch,
+                "send every prompt (and every choice of n > 1) through its own prefill leg "
+                "with the kv_transfer_params that leg returned",
+            )
+        elif owner is not None and owner != request.request_id:
+            message = local_refusal_message(
+                request.request_id,
+                remote,
+                f"decode request {owner} on this engine already reads those blocks",
+                "give every decode request its own prefill leg (one per prompt of a batch and "
+                "per choice of n > 1)",
+            )
+        elif not compat.transfer_results_api() and remote.address is not None:
+            status = self._pin_at(remote.address, {remote.remote_req: request.request_id})
+            status_of = status[remote.remote_req]
+            if not status_of.readable:
+                message = self._refusal(request.request_id, remote, status_of, "recompute")
+        if message:
+            if mismatch or (owner is not None and owner != request.request_id):
+                logger.error("%s", message)  # pin refusals were logged by _refusal
+            self._refused_early.add(request.request_id)
+            return True
+        self._claims[(remote.engine, remote.remote_req)] = request.request_id
+        return False
+
+    def _refusal(self, req_id: str, remote: RemoteKv, status: LeaseStatus, policy: str) -> str:
+        assert remote.address is not None  # refusals from a lease service have an address
+        message = refusal_message(
+            req_id, remote.remote_req, remote.engine, remote.address, status, policy
+        )
         logger.error("%s", message)
         return message
 
-    def _refused_before_loading(self, request: Any) -> bool:
-        """Pin now (releases that cannot fail a hybrid load); True when refused."""
-        if request.request_id in self._refused_early:
-            return True
-        lease = self._lease_of(request)
-        if lease is None:
-            return False
-        status = self._pin_at(lease[0], [lease[1]])[lease[1]]
-        if status.readable:
-            return False
-        self._refused_early.add(request.request_id)
-        self._refusal(request.request_id, lease, status, "recompute")
-        return True
-
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if self._renewer is not None:
+            self._renewer.drop(request.request_id)  # the pin (or nothing) takes over
         # Pinned just before the read on releases that report failed loads per request;
         # earlier releases were pinned in get_num_new_matched_tokens, in this same step.
         if self._lease_guard and num_external_tokens > 0 and compat.transfer_results_api():
-            lease = self._lease_of(request)
-            if lease is not None:
-                self._lease_pending[request.request_id] = lease
+            remote = self._lease_of(request)
+            if remote is not None and remote.address is not None:
+                self._lease_pending[request.request_id] = remote
         return super().update_state_after_alloc(  # type: ignore[misc]
             request, blocks, num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         refusals = self._pin_pending() if self._lease_pending else {}
+        expired = self._expired_to_report()
         metadata = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
         if refusals:
             setattr(metadata, REFUSALS_ATTRIBUTE, refusals)
+        if expired:
+            setattr(metadata, EXPIRED_ATTRIBUTE, expired)
         return metadata
 
     def _pin_pending(self) -> dict[str, str]:
         """Pin every request about to be read; the refused ones, with their messages."""
-        by_address: dict[LeaseAddress, dict[str, tuple[str, str]]] = defaultdict(dict)
-        for req_id, (address, remote_req, engine) in self._lease_pending.items():
-            by_address[address][remote_req] = (req_id, engine)
+        by_address: dict[LeaseAddress, dict[str, tuple[str, RemoteKv]]] = defaultdict(dict)
+        for req_id, remote in self._lease_pending.items():
+            assert remote.address is not None  # only requests with an address are pending
+            by_address[remote.address][remote.remote_req] = (req_id, remote)
         self._lease_pending = {}
         refusals = {}
         for address, requests in by_address.items():
-            answers = self._pin_at(address, list(requests))
+            readers = {remote_req: req_id for remote_req, (req_id, _) in requests.items()}
+            answers = self._pin_at(address, readers)
             for remote_req, status in answers.items():
                 if status.readable:
                     continue
-                req_id, engine = requests[remote_req]
-                lease = (address, remote_req, engine)
-                refusals[req_id] = self._refusal(req_id, lease, status, self._lease_policy)
+                req_id, remote = requests[remote_req]
+                refusals[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
         return refusals
 
-    def _pin_at(self, address: LeaseAddress, remote_reqs: list[str]) -> dict[str, LeaseStatus]:
+    def _reader(self, decode_req: str) -> str:
+        return f"{getattr(self, 'engine_id', '')}/{decode_req}"
+
+    def _pin_at(self, address: LeaseAddress, readers: dict[str, str]) -> dict[str, LeaseStatus]:
+        """Pin ``readers`` (prefill request -> decode request) at ``address``; every failure
+        to get a usable answer is a refusal naming why."""
+        remote_reqs = list(readers)
         now = time.monotonic()
         failed = self._unreachable.get(address)
         if failed is None or now - failed[0] > UNREACHABLE_HOLD_S:
             try:
-                answers = ask(address, "pin", remote_reqs, self._lease_timeout_s)
+                named = {r: self._reader(d) for r, d in readers.items()}
+                answers = ask(address, "pin", remote_reqs, self._lease_timeout_s, named)
                 self._unreachable.pop(address, None)
                 waited = time.monotonic() - now
                 if waited > SLOW_PIN_S:
@@ -260,22 +490,25 @@ class LeaseHolderMixin:
                         waited * 1e3,
                     )
                 return answers
-            except LeaseUnreachable as exc:
+            except LeaseAskFailed as exc:
                 failed = (now, str(exc))
                 self._unreachable[address] = failed
         return {r: LeaseStatus(LeaseState.UNKNOWN, failed[1]) for r in remote_reqs}
 
 
 class LeaseReaderMixin:
-    """Worker (decode engine, vLLM 0.32+): a read whose pin was refused completes as a failed
-    load (``failed_recving``, kept in ``finished_recving`` as vLLM's own worker does)."""
+    """Worker. Decode engine (vLLM 0.32+): a read whose pin was refused completes as a failed
+    load (``failed_recving``, kept in ``finished_recving`` as vLLM's own worker does).
+    Prefill engine: leases the scheduler saw expire are reported as finished sends."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lease_refused: set[str] = set()
+        self._lease_expired: set[str] = set()
         super().__init__(*args, **kwargs)
 
     def start_load_kv(self, metadata: Any) -> Any:
         self._lease_refused.update(getattr(metadata, REFUSALS_ATTRIBUTE, None) or ())
+        self._lease_expired.update(getattr(metadata, EXPIRED_ATTRIBUTE, None) or ())
         return super().start_load_kv(metadata)  # type: ignore[misc]
 
     def get_transfer_results(self) -> Any:
@@ -284,4 +517,14 @@ class LeaseReaderMixin:
         if done:
             self._lease_refused -= done
             results.failed_recving.update(done)
+        if self._lease_expired:
+            results.finished_sending.update(self._lease_expired)
+            self._lease_expired = set()
         return results
+
+    def get_finished(self) -> Any:
+        sending, recving = super().get_finished()  # type: ignore[misc]
+        if self._lease_expired and not compat.transfer_results_api():
+            sending = set(sending) | self._lease_expired
+            self._lease_expired = set()
+        return sending, recving

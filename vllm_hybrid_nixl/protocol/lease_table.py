@@ -23,6 +23,7 @@ class LeaseState(str, Enum):
     HELD = "held"
     PINNED = "pinned"
     RELEASED = "released"
+    TAKEN = "taken"  # pinned by another reader
     UNKNOWN = "unknown"
 
 
@@ -49,25 +50,36 @@ class LeaseStatus:
         }
 
     @classmethod
-    def from_wire(cls, data: dict[str, object]) -> LeaseStatus:
-        return cls(
-            state=LeaseState(str(data.get("state", "unknown"))),
-            reason=str(data.get("reason", "")),
-            released_ago_s=float(data.get("released_ago_s", 0.0)),  # type: ignore[arg-type]
-            lease_s=float(data.get("lease_s", 0.0)),  # type: ignore[arg-type]
-        )
+    def from_wire(cls, data: object) -> LeaseStatus:
+        """Raises ``ValueError`` for anything that is not a lease status of this protocol."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a lease status must be an object, got {type(data).__name__}")
+        try:
+            return cls(
+                state=LeaseState(str(data.get("state", "unknown"))),
+                reason=str(data.get("reason", ""))[:500],
+                released_ago_s=float(data.get("released_ago_s", 0.0)),
+                lease_s=float(data.get("lease_s", 0.0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not a lease status: {str(data)[:200]}") from exc
 
 
 #: Release reasons (the decode engine's error message quotes them).
 EXPIRED = "its lease expired before any decode engine pinned it"
 PIN_EXPIRED = "the decode engine's pin expired before the read completed"
 READ = "a decode engine read it"
+TAKEN_BY_OTHER = (
+    "another decode request already pinned these blocks (one reader per prefill request: "
+    "send each prompt and each of n choices through its own prefill leg)"
+)
 
 
 @dataclass
 class _Live:
     deadline: float
     pinned: bool = False
+    reader: str = ""  # who pinned it (empty: a reader that did not say)
 
 
 class LeaseTable:
@@ -95,15 +107,42 @@ class LeaseTable:
             self._released.pop(req_id, None)
             self._live[req_id] = _Live(self._clock() + self.lease_s)
 
-    def pin(self, req_ids: Iterable[str]) -> dict[str, LeaseStatus]:
-        """Keep each still-held request's blocks until its read completes (or ``pin_s``)."""
+    def pin(
+        self, req_ids: Iterable[str], readers: dict[str, str] | None = None
+    ) -> dict[str, LeaseStatus]:
+        """Keep each still-held request's blocks until its read completes (or ``pin_s``).
+
+        ``readers`` names the reader per request; a request already pinned by another named
+        reader is refused (``TAKEN``) and its pin left as it was. The same reader pinning
+        again renews its pin."""
+        now = self._clock()
+        readers = readers or {}
+        answers = {}
+        with self._lock:
+            for req_id in req_ids:
+                live = self._live.get(req_id)
+                reader = readers.get(req_id, "")
+                if live is not None and live.deadline > now:
+                    if live.pinned and live.reader != reader:
+                        answers[req_id] = LeaseStatus(
+                            LeaseState.TAKEN, TAKEN_BY_OTHER, lease_s=self.lease_s
+                        )
+                        continue
+                    live.pinned, live.reader = True, reader
+                    live.deadline = max(live.deadline, now + self.pin_s)
+                answers[req_id] = self._status(req_id, now)
+        return answers
+
+    def renew(self, req_ids: Iterable[str]) -> dict[str, LeaseStatus]:
+        """A decode request still wants these blocks (it waits for its turn): each lease not
+        yet released runs ``lease_s`` from now (never shorter than it was)."""
         now = self._clock()
         answers = {}
         with self._lock:
             for req_id in req_ids:
                 live = self._live.get(req_id)
                 if live is not None and live.deadline > now:
-                    live.pinned, live.deadline = True, now + self.pin_s
+                    live.deadline = max(live.deadline, now + self.lease_s)
                 answers[req_id] = self._status(req_id, now)
         return answers
 

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from vllm_hybrid_nixl.protocol.lease_table import READ, LeaseState
-from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress, LeaseUnreachable, ask
+from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress, LeaseAskFailed, ask
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegClient, LegResponse, LegTransportError
@@ -181,7 +181,7 @@ async def lease_was_released(params: dict[str, Any]) -> str:
         return ""
     try:
         answers = await asyncio.to_thread(ask, address, "status", [str(remote)], 2.0)
-    except LeaseUnreachable:
+    except LeaseAskFailed:
         return ""
     status = answers[str(remote)]
     if status.state is LeaseState.RELEASED and status.reason != READ:
