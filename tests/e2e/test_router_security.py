@@ -167,7 +167,7 @@ def test_router_serves_with_its_key_and_uses_the_engine_key(stack: Stack) -> Non
     [
         ({"prompt": "p" * 70000, "max_tokens": 1}, 413, "at most 65536"),
         ({"prompt": "p" * 2001, "max_tokens": 1}, 413, "2001 characters"),
-        ({"prompt": "p", "n": 2}, 400, "max_n"),
+        ({"prompt": "p", "n": 17}, 400, "max_n"),
         ({"prompt": "p", "max_tokens": 0}, 400, "at least 1"),
         ({"prompt": "p", "max_tokens": 5000}, 400, "context length"),  # max-model-len 1024
         ({"prompt": "p", "model": "gpt-unknown"}, 404, "is not served here"),

@@ -71,7 +71,7 @@ def auth(key: str) -> dict[str, str]:
         (b"\xff\xfe", 400, "not valid JSON"),
         (b"[1, 2]", 400, "JSON object"),
         (b'{"prompt": "p", "max_tokens": 0}', 400, "max_tokens must be at least 1"),
-        (b'{"prompt": "p", "n": 4}', 400, "max_n"),
+        (b'{"prompt": "p", "n": 40}', 400, "max_n"),
         (b'{"prompt": "' + b"a" * 600 + b'"}', 413, "600 characters"),
         (b'{"prompt": "' + b"a" * 3000 + b'"}', 413, "at most 2048"),
     ],

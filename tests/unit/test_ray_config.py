@@ -89,7 +89,7 @@ def test_missing_config_file_is_reported(tmp_path: Path) -> None:
 def test_router_limits_come_from_the_config_and_typos_are_refused(model_dir: Path) -> None:
     config = make_config(model=str(model_dir), router={"max_n": 2, "body_timeout_s": 5})
     assert (config.router.max_n, config.router.body_timeout_s) == (2, 5.0)
-    assert make_config(model=str(model_dir)).router.max_n == 1
+    assert make_config(model=str(model_dir)).router.max_n == 16
     with pytest.raises(ConfigError, match="router.max_nn: Extra inputs are not permitted"):
         make_config(model=str(model_dir), router={"max_nn": 2})
 

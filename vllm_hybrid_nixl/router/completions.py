@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from vllm_hybrid_nixl.router.backends import NoCompatiblePairError
+from vllm_hybrid_nixl.router.fanout import Part, merge_bodies, merged_events, split_request
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegTransportError
 from vllm_hybrid_nixl.router.limits import MAX_JSON_DEPTH, BodyRejected, nested_too_deep, read_body
@@ -121,6 +122,56 @@ class RelayedStream:
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
+class FanOutStream:
+    """The parts' decode streams merged into one ASGI stream (:mod:`.fanout`); a client that
+    leaves closes every part's stream (the engines abort them)."""
+
+    def __init__(
+        self,
+        parts: list[Part],
+        answers: list[DecodeAnswer],
+        handler: CompletionHandler,
+        finish: Callable[[str], None],
+    ) -> None:
+        self.parts, self.answers, self.handler, self.finish = parts, answers, handler, finish
+        self.outcome = "ok"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relay = asyncio.ensure_future(self.relay(send))
+        try:
+            await client_left_first(relay, receive)
+        finally:
+            if not relay.done():
+                relay.cancel()
+                self.outcome = "client_disconnected"
+                self.handler.metrics.client_disconnects.inc()
+            try:
+                with suppress(asyncio.CancelledError):
+                    await relay
+            finally:
+                for answer in self.answers:
+                    answer.response.close()
+                    self.handler.proxy.leg_ended(answer.decode)
+                self.finish(self.outcome)
+
+    async def relay(self, send: Any) -> None:
+        firsts = [a.first for a in self.answers]
+        readers = [a.response.next_chunk for a in self.answers]
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        try:
+            async for chunk in merged_events(self.parts, firsts, readers):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except LegTransportError as exc:
+            self.outcome = "decode_stream_broken"
+            logger.warning("a decode stream of a batched request broke: %s", exc.detail)
+            event = stream_error_event(
+                f"a decode leg failed while streaming: {type(exc.__cause__ or exc).__name__}; "
+                "the answer is incomplete"
+            )
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class CompletionHandler:
     """One handler for both OpenAI completion routes."""
 
@@ -135,7 +186,9 @@ class CompletionHandler:
         self.proxy, self.health, self.metrics = proxy, health, metrics
         self.models, self.settings = models, settings
 
-    async def handle(self, path: str, endpoint: str, request: Request) -> Response | RelayedStream:
+    async def handle(
+        self, path: str, endpoint: str, request: Request
+    ) -> Response | RelayedStream | FanOutStream:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
         try:
@@ -150,6 +203,10 @@ class CompletionHandler:
             self.metrics.in_flight.dec()
 
         self.metrics.in_flight.inc()
+        parts = split_request(endpoint, body)
+        if parts is not None:
+            stream = bool(body.get("stream"))
+            return await self.handle_parts(path, parts, stream, request, request_id, finish)
         legs = asyncio.create_task(self.proxy.run(path, body))
         if await client_left_first(legs, request.receive):  # abort the legs (engines abort)
             legs.cancel()
@@ -168,6 +225,46 @@ class CompletionHandler:
                 answer.response.body, status_code=200, media_type=answer.response.content_type
             )
         return RelayedStream(answer, request_id, self, finish)
+
+    async def handle_parts(
+        self,
+        path: str,
+        parts: list[Part],
+        stream: bool,
+        request: Request,
+        request_id: str,
+        finish: Callable[[str], None],
+    ) -> Response | FanOutStream:
+        """A batch or ``n > 1``: one P/D request per part, answered as one response."""
+        runs = [asyncio.ensure_future(self.proxy.run(path, part.body)) for part in parts]
+        all_runs = asyncio.ensure_future(asyncio.gather(*runs))
+        left = await client_left_first(all_runs, request.receive)
+        if left or all_runs.exception() is not None:
+            for run in runs:
+                run.cancel()
+            with suppress(BaseException):
+                await all_runs
+            answered = [
+                r.result() for r in runs if r.done() and not r.cancelled() and not r.exception()
+            ]
+            for answer in answered:
+                if stream:
+                    answer.response.close()
+                    self.proxy.leg_ended(answer.decode)
+            if left:
+                self.metrics.client_disconnects.inc()
+                finish("client_disconnected")
+                return Response(status_code=499)
+            failure = next(
+                r.exception() for r in runs if r.done() and not r.cancelled() and r.exception()
+            )
+            return self.failed(failure, request_id, finish)
+        answers = all_runs.result()
+        if not stream:
+            finish("ok")
+            merged = merge_bodies(parts, [a.response.body for a in answers])
+            return Response(merged, status_code=200, media_type="application/json")
+        return FanOutStream(parts, answers, self, finish)
 
     async def checked_body(self, endpoint: str, request: Request) -> Any:
         """The parsed body, or BadRequest carrying the 4xx to send."""

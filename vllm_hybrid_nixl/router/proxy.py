@@ -146,30 +146,62 @@ class DecodeAnswer:
     first: bytes = b""  # streams: the first event, already read (nothing sent to the client)
 
 
-async def first_event(response: LegResponse) -> bytes:
-    """Read a stream up to the end of its first server-sent event (or its end)."""
-    buffered = b""
-    while b"\n\n" not in buffered:
-        chunk = await response.next_chunk()
-        if not chunk:
-            break
-        buffered += chunk
-    return buffered
-
-
-def stream_error(event: bytes) -> str | None:
-    """The message of an error event (vLLM streams errors after a 200), else None."""
+def role_only(event: bytes) -> bool:
+    """Whether ``event`` is a chat stream's opening chunk: a role and no text yet (vLLM sends
+    it before the prompt's KV is loaded, so a failed load follows it)."""
     text = event.strip()
     if not text.startswith(b"data: {"):
-        return None
+        return False
     try:
-        payload = json.loads(text.split(b"\n\n", 1)[0][6:])
+        payload = json.loads(text[6:])
     except ValueError:
-        return None
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if error is None:
-        return None
-    return str(error.get("message", error) if isinstance(error, dict) else error)
+        return False
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or "role" not in delta or choice.get("finish_reason"):
+            return False
+        if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+            return False
+    return True
+
+
+async def first_event(response: LegResponse) -> bytes:
+    """Read a stream up to the end of its first server-sent event that says how the request
+    went (chat's role-only opening chunks are read past), or to its end."""
+    buffered = b""
+    while True:
+        while b"\n\n" not in buffered:
+            chunk = await response.next_chunk()
+            if not chunk:
+                return buffered
+            buffered += chunk
+        *events, _ = buffered.split(b"\n\n")
+        if not all(role_only(e) for e in events if e.strip()):
+            return buffered
+        more = await response.next_chunk()
+        if not more:
+            return buffered
+        buffered += more
+
+
+def stream_error(events: bytes) -> str | None:
+    """The message of the first error event among ``events`` (vLLM streams errors after a
+    200, and in chat after the role chunk), else None."""
+    for event in events.split(b"\n\n"):
+        text = event.strip()
+        if not text.startswith(b"data: {"):
+            continue
+        try:
+            payload = json.loads(text[6:])
+        except ValueError:
+            continue
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if error is not None:
+            return str(error.get("message", error) if isinstance(error, dict) else error)
+    return None
 
 
 async def lease_was_released(params: dict[str, Any]) -> str:
@@ -429,6 +461,9 @@ class Disaggregator:
                 self.metrics.retries.labels("request").inc()
                 if released:
                     self.metrics.lease_reruns.inc()
+                    # The decode engine answered as it should: the prefill released the
+                    # blocks. Its breaker must not count that against it.
+                    self.health.record_success(exc.backend)
                 avoid = [prefill]
                 avoid_decode = [exc.backend]
         raise AssertionError("unreachable")  # the loop returns or raises

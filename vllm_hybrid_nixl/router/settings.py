@@ -80,7 +80,12 @@ class RouterSettings(BaseModel):
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest token-id prompt")
     max_tokens: int = Field(32_768, ge=1, description="largest max_tokens a request may ask")
     max_n: int = Field(
-        1, ge=1, description="largest n; n > 1 through P/D is not verified, raise at your risk"
+        16, ge=1, description="largest n (each choice runs as its own prefill and decode)"
+    )
+    max_fanout: int = Field(
+        64,
+        ge=1,
+        description="most P/D requests one client request becomes (prompts of a batch x n)",
     )
     header_timeout_s: float = Field(
         10.0, gt=0, description="a client must send its request headers within this"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hybrid_nixl.router.fanout import fanout_size
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 ROUTER_OWNED = ("kv_transfer_params",)
@@ -169,4 +170,15 @@ def request_problem(
     problem = _bounded_int(body, "n", 1, settings.max_n, "max_n setting")
     if problem:
         return problem
-    return _prompt_problem(endpoint, body, settings)
+    problem = _prompt_problem(endpoint, body, settings)
+    if problem:
+        return problem
+    parts = fanout_size(endpoint, body)
+    if parts > settings.max_fanout:
+        return RequestProblem(
+            400,
+            f"this request asks for {parts} answers (prompts x n), more than this router runs "
+            f"for one request ({settings.max_fanout}, its max_fanout setting); split it",
+            "prompt" if endpoint == "completions" else "n",
+        )
+    return None

@@ -1,0 +1,411 @@
+"""Never silently wrong for ordinary and careless input: batches, n > 1, duplicated readers,
+malformed lease messages and lease values, and a busy decode engine.
+
+Real ``vllm serve`` engines with HybridNixlConnector on a tiny sliding-window hybrid (block
+64), our router in front. The prefill engine's lease is 2 s and the decode engine runs one
+request at a time, so a decode request that queues behind another outlives the lease unless
+its engine renews it. Every test asserts zero HTTP 200 with wrong tokens and both engines
+alive afterwards. The stock connector's answers to the same batch (wrong tokens) are shown by
+``test_lease_control_stock``, so these tests can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from tests.e2e.pd_fixture import (
+    COMMON_ARGS,
+    PdPair,
+    metric_sum,
+    start_pair,
+    wait_router_ready,
+)
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
+from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
+
+pytestmark = pytest.mark.e2e
+
+LEASE_S = 2
+A = "The harbour master counted ships at dawn and wrote each name in the ledger. " * 3
+B = "A gull circled the old lighthouse while the keeper mended nets by the door. " * 3
+# Two blocks (128 tokens) longer than A: the decode engine died on it with A's parameters.
+LONGER = B + "Rain fell on the slate roofs of the fishing village all through the night. " * 12
+BINDING_REFUSAL = "prefilled another prompt"
+
+
+@dataclass
+class Stack:
+    pair: PdPair
+    router_url: str
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[Stack]:
+    pairs = start_pair(
+        tiny_hybrid_model,
+        tmp_path_factory.mktemp("integrity-logs"),
+        prefill={"kv_extra_config": {"kv_lease_duration": LEASE_S}},
+        decode={"extra_args": [*COMMON_ARGS, "--max-num-seqs", "1"]},
+    )
+    pair = next(pairs)
+    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        wait_router_ready(router.url)
+        yield Stack(pair, router.url)
+    finally:
+        router.stop()
+        pairs.close()
+
+
+def body(model: str, prompt: object, max_tokens: int = 10, **extra: object) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+_expected: dict[tuple[str, int], str] = {}
+
+
+def alone(stack: Stack, prompt: str, max_tokens: int = 10) -> str:
+    """``prompt`` answered by the prefill engine alone (colocated, greedy)."""
+    key = (prompt, max_tokens)
+    if key not in _expected:
+        answer = httpx.post(
+            f"{stack.pair.prefill.spec.url}/v1/completions",
+            json=body(stack.pair.model, prompt, max_tokens),
+            timeout=300,
+        )
+        answer.raise_for_status()
+        _expected[key] = answer.json()["choices"][0]["text"]
+    return _expected[key]
+
+
+def assert_alive(stack: Stack) -> None:
+    for engine in (stack.pair.prefill, stack.pair.decode):
+        assert engine.alive(), f"{engine.spec.role} engine died"
+        httpx.get(f"{engine.spec.url}/health", timeout=30).raise_for_status()
+
+
+def streamed_texts(response: httpx.Response) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        payload = json.loads(line[6:])
+        assert "error" not in payload, payload
+        for choice in payload.get("choices", []):
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_prompt_list_through_the_router_is_answered_prompt_by_prompt(
+    stack: Stack, stream: bool
+) -> None:
+    prompts = [A, B, LONGER]
+    expected = [alone(stack, p) for p in prompts]
+    with httpx.Client(timeout=300) as client:
+        request = body(stack.pair.model, prompts, stream=stream)
+        if stream:
+            with client.stream("POST", f"{stack.router_url}/v1/completions", json=request) as r:
+                assert r.status_code == 200
+                texts = streamed_texts(r)
+        else:
+            answer = client.post(f"{stack.router_url}/v1/completions", json=request)
+            assert answer.status_code == 200, answer.text
+            texts = {c["index"]: c["text"] for c in answer.json()["choices"]}
+            usage = answer.json()["usage"]
+            assert usage["completion_tokens"] == 30
+        assert texts == dict(enumerate(expected))
+        # Nothing poisoned the decode engine's prefix cache: B alone is still B's answer.
+        again = client.post(f"{stack.router_url}/v1/completions", json=body(stack.pair.model, B))
+        assert again.json()["choices"][0]["text"] == expected[1]
+    assert_alive(stack)
+
+
+def test_token_id_lists_and_n_through_the_router(stack: Stack) -> None:
+    with httpx.Client(timeout=300) as client:
+        tokens = client.post(
+            f"{stack.pair.prefill.spec.url}/tokenize", json={"prompt": B, "model": stack.pair.model}
+        ).json()["tokens"]
+        answer = client.post(
+            f"{stack.router_url}/v1/completions",
+            json=body(stack.pair.model, [tokens[:40], tokens], n=2),
+        )
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        colocated = client.post(
+            f"{stack.pair.prefill.spec.url}/v1/completions",
+            json=body(stack.pair.model, [tokens[:40], tokens], n=2),
+        ).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == [c["text"] for c in colocated]
+    assert_alive(stack)
+
+
+def test_chat_n_through_the_router(stack: Stack) -> None:
+    chat = {
+        "model": stack.pair.model,
+        "messages": [{"role": "user", "content": A}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "n": 2,
+    }
+    with httpx.Client(timeout=300) as client:
+        answer = client.post(f"{stack.router_url}/v1/chat/completions", json=chat)
+        colocated = client.post(f"{stack.pair.prefill.spec.url}/v1/chat/completions", json=chat)
+    assert answer.status_code == 200, answer.text
+    got = [(c["index"], c["message"]["content"]) for c in answer.json()["choices"]]
+    want = [(c["index"], c["message"]["content"]) for c in colocated.json()["choices"]]
+    assert got == want
+
+
+@pytest.mark.parametrize("second", [B, LONGER], ids=["same-length", "two-blocks-longer"])
+def test_a_batch_sent_to_the_engines_with_one_prefills_params_is_answered_right(
+    stack: Stack, second: str
+) -> None:
+    """No router: vLLM's completions endpoint returns the first prompt's parameters for a
+    batch, and a client hands them to the decode engine with the whole batch. The decode
+    engine reads A's KV for A only; the other prompt is computed on the decode engine."""
+    pair = stack.pair
+    expected = [alone(stack, A), alone(stack, second)]
+    before = pair.decode.log_text().count(BINDING_REFUSAL)
+    with httpx.Client(timeout=300) as client:
+        prefill = client.post(
+            f"{pair.prefill.spec.url}/v1/completions",
+            json=prefill_body(body(pair.model, [A, second])),
+        )
+        params = prefill.json()["kv_transfer_params"]
+        decode = client.post(
+            f"{pair.decode.spec.url}/v1/completions",
+            json={**body(pair.model, [A, second]), "kv_transfer_params": params},
+        )
+        assert decode.status_code == 200, decode.text
+        texts = [c["text"] for c in sorted(decode.json()["choices"], key=lambda c: c["index"])]
+        assert texts == expected
+        # And the second prompt alone, disaggregated, still gets its own answer.
+        result = disaggregated_completion(
+            client, pair.prefill.spec.url, pair.decode.spec.url, body(pair.model, second)
+        )
+        assert result.text == expected[1]
+    assert pair.decode.log_text().count(BINDING_REFUSAL) > before
+    assert_alive(stack)
+
+
+def test_two_decode_requests_reading_one_prefill_never_answer_wrong(stack: Stack) -> None:
+    """A duplicated decode leg (same parameters, sent twice at once): one reads the blocks;
+    the other computes its prompt itself or fails loudly. Never a 200 with other tokens."""
+    pair = stack.pair
+    expected = alone(stack, A)
+    with httpx.Client(timeout=300) as client:
+        prefill = client.post(
+            f"{pair.prefill.spec.url}/v1/completions", json=prefill_body(body(pair.model, A))
+        )
+        params = prefill.json()["kv_transfer_params"]
+        answers: list[httpx.Response] = []
+
+        def leg() -> None:
+            answers.append(
+                httpx.post(
+                    f"{pair.decode.spec.url}/v1/completions",
+                    json={**body(pair.model, A), "kv_transfer_params": params},
+                    timeout=300,
+                )
+            )
+
+        threads = [threading.Thread(target=leg) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    ok = [a for a in answers if a.status_code == 200]
+    assert ok, [a.text[:300] for a in answers]
+    assert all(a.json()["choices"][0]["text"] == expected for a in ok)
+    assert_alive(stack)
+
+
+def lease_address(stack: Stack) -> LeaseAddress:
+    prefill = httpx.post(
+        f"{stack.pair.prefill.spec.url}/v1/completions",
+        json=prefill_body(body(stack.pair.model, A)),
+        timeout=300,
+    )
+    address = LeaseAddress.from_params(prefill.json()["kv_transfer_params"][PARAMS_KEY])
+    assert address is not None
+    return address
+
+
+def random_message(rng: random.Random, epoch: str) -> bytes:
+    shapes = [
+        lambda: b"[" * rng.randrange(1, 60_000),
+        lambda: bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))),
+        lambda: json.dumps(rng.choice([None, 1, "pin", [], {}])).encode(),
+        lambda: json.dumps(
+            {
+                "op": rng.choice(["pin", "renew", "status", "x"]),
+                "epoch": epoch,
+                "reqs": rng.choice([[], "r", [1], [["r"]], ["r"] * 300]),
+            }
+        ).encode(),
+        lambda: json.dumps(
+            {
+                "op": "pin",
+                "epoch": epoch,
+                "reqs": [f"cmpl-{rng.random()}"],
+                "readers": rng.choice([[], {"a": 1}, "x"]),
+            }
+        ).encode(),
+    ]
+    return rng.choice(shapes)()
+
+
+def test_the_lease_service_answers_malformed_messages_and_keeps_serving(stack: Stack) -> None:
+    address = lease_address(stack)
+    rng = random.Random(2026)
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address.endpoint)
+    errors = 0
+    try:
+        for _ in range(300):
+            socket.send(random_message(rng, address.epoch))
+            assert socket.poll(30_000), "the lease service stopped answering"
+            errors += "error" in json.loads(socket.recv())
+    finally:
+        socket.close()
+    assert errors >= 250  # nearly every message above is malformed
+    with httpx.Client(timeout=300) as client:
+        answer = client.post(f"{stack.router_url}/v1/completions", json=body(stack.pair.model, B))
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone(stack, B)
+    assert_alive(stack)
+
+
+class Impostor:
+    """A ZeroMQ REP server on 127.0.0.1 answering every question with non-protocol bytes."""
+
+    def __init__(self) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        replies = [b"not json", b"[]", b'{"epoch": 1}', b"[" * 50_000]
+        i = 0
+        while True:
+            try:
+                self.socket.recv()
+                self.socket.send(replies[i % len(replies)])
+                i += 1
+            except zmq.ZMQError:
+                return
+
+
+def test_decode_legs_with_any_lease_value_never_kill_the_engine(stack: Stack) -> None:
+    pair = stack.pair
+    impostor = Impostor()
+    expected = alone(stack, A)
+    good = lease_address(stack)
+    values = [
+        "tcp://127.0.0.1:1",
+        [],
+        42,
+        {"host": "127.0.0.1"},
+        {"host": "127.0.0.1", "port": -1, "epoch": good.epoch},
+        {"host": "; rm -rf /", "port": good.port, "epoch": good.epoch},
+        {"host": "127.0.0.1", "port": good.port, "epoch": "zz"},
+        {"host": "127.0.0.1", "port": impostor.port, "epoch": good.epoch},
+        {**good.to_params(), "prompt_tokens": "many", "prompt_sha256": 5},
+        {**good.to_params(), "prompt_tokens": 3, "prompt_sha256": "0" * 64},
+    ]
+    statuses = []
+    with httpx.Client(timeout=300) as client:
+        for value in values:
+            prefill = client.post(
+                f"{pair.prefill.spec.url}/v1/completions", json=prefill_body(body(pair.model, A))
+            )
+            params = {**prefill.json()["kv_transfer_params"], PARAMS_KEY: value}
+            answer = client.post(
+                f"{pair.decode.spec.url}/v1/completions",
+                json={**body(pair.model, A), "kv_transfer_params": params},
+            )
+            statuses.append(answer.status_code)
+            if answer.status_code == 200:
+                assert answer.json()["choices"][0]["text"] == expected, value
+            else:
+                assert answer.status_code >= 400, answer.text
+        assert_alive(stack)
+        final = client.post(f"{stack.router_url}/v1/completions", json=body(pair.model, B))
+    assert final.status_code == 200 and final.json()["choices"][0]["text"] == alone(stack, B)
+    assert 200 in statuses  # unusable values are computed locally, not failed
+    log = pair.decode.log_text()
+    assert "value is unusable" in log and "answered something that is not JSON" in log
+
+
+def test_requests_queued_behind_a_long_one_are_served_not_refused(stack: Stack) -> None:
+    """Prefill lease 2 s; the decode engine runs one request at a time and is kept busy by a
+    long one while four P/D requests queue behind it. Their engine renews their leases while
+    they wait: all four answer correctly. (vLLM's stock connector renews its own lease the
+    same way; without renewals every one of them was refused.)"""
+    pair = stack.pair
+    prompts = [f"Request {i} waits its turn at the harbour office. " * 6 for i in range(4)]
+    expected = {p: alone(stack, p) for p in prompts}
+    long_tokens = 1024 - 64
+    results: dict[str, httpx.Response] = {}
+    with httpx.Client(timeout=600) as client:
+        hold = threading.Thread(
+            target=lambda: results.__setitem__(
+                "long",
+                client.post(
+                    f"{stack.router_url}/v1/completions",
+                    json=body(pair.model, "Hold the line.", long_tokens),
+                ),
+            )
+        )
+        hold.start()
+        deadline = time.monotonic() + 120
+        while metric_sum(pair.decode.spec.url, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the long request never ran on the decode engine"
+            time.sleep(0.05)
+        started = time.monotonic()
+        threads = [
+            threading.Thread(
+                target=lambda p=p: results.__setitem__(
+                    p, client.post(f"{stack.router_url}/v1/completions", json=body(pair.model, p))
+                )
+            )
+            for p in prompts
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in [*threads, hold]:
+            thread.join()
+        waited = time.monotonic() - started
+    for prompt in prompts:
+        answer = results[prompt]
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == expected[prompt]
+    assert results["long"].status_code == 200
+    # Whether the queue outlasted the lease depends on the machine; the answers may not.
+    print(f"queued requests waited up to {waited:.1f} s (lease {LEASE_S} s)")
+    assert_alive(stack)
