@@ -148,18 +148,19 @@ def test_token_id_lists_and_n_through_the_router(stack: Stack) -> None:
         tokens = client.post(
             f"{stack.pair.prefill.spec.url}/tokenize", json={"prompt": B, "model": stack.pair.model}
         ).json()["tokens"]
-        answer = client.post(
-            f"{stack.router_url}/v1/completions",
-            json=body(stack.pair.model, [tokens[:40], tokens], n=2),
-        )
+        # n > 1 samples (vLLM refuses it greedy); seeded, so both sides draw the same.
+        request = body(stack.pair.model, [tokens[:40], tokens], n=2, temperature=1.0, seed=7)
+        answer = client.post(f"{stack.router_url}/v1/completions", json=request)
         assert answer.status_code == 200, answer.text
         choices = answer.json()["choices"]
-        colocated = client.post(
-            f"{stack.pair.prefill.spec.url}/v1/completions",
-            json=body(stack.pair.model, [tokens[:40], tokens], n=2),
-        ).json()["choices"]
+        colocated = client.post(f"{stack.pair.prefill.spec.url}/v1/completions", json=request)
+        colocated.raise_for_status()
+        greedy = client.post(
+            f"{stack.router_url}/v1/completions", json={**request, "temperature": 0.0}
+        )
+    assert greedy.status_code == 400 and "greedy" in greedy.text
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
-    assert [c["text"] for c in choices] == [c["text"] for c in colocated]
+    assert [c["text"] for c in choices] == [c["text"] for c in colocated.json()["choices"]]
     assert_alive(stack)
 
 
@@ -168,13 +169,15 @@ def test_chat_n_through_the_router(stack: Stack) -> None:
         "model": stack.pair.model,
         "messages": [{"role": "user", "content": A}],
         "max_tokens": 8,
-        "temperature": 0.0,
+        "temperature": 1.0,
+        "seed": 11,
         "n": 2,
     }
     with httpx.Client(timeout=300) as client:
         answer = client.post(f"{stack.router_url}/v1/chat/completions", json=chat)
         colocated = client.post(f"{stack.pair.prefill.spec.url}/v1/chat/completions", json=chat)
     assert answer.status_code == 200, answer.text
+    assert colocated.status_code == 200, colocated.text
     got = [(c["index"], c["message"]["content"]) for c in answer.json()["choices"]]
     want = [(c["index"], c["message"]["content"]) for c in colocated.json()["choices"]]
     assert got == want
@@ -372,6 +375,8 @@ def test_requests_queued_behind_a_long_one_are_served_not_refused(stack: Stack) 
     expected = {p: alone(stack, p) for p in prompts}
     long_tokens = 1024 - 64
     results: dict[str, httpx.Response] = {}
+    reruns_before = metric_sum(stack.router_url, "router_lease_reruns_total")
+    refusals_before = pair.decode.log_text().count("released its KV blocks")
     with httpx.Client(timeout=600) as client:
         hold = threading.Thread(
             target=lambda: results.__setitem__(
@@ -406,6 +411,9 @@ def test_requests_queued_behind_a_long_one_are_served_not_refused(stack: Stack) 
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected[prompt]
     assert results["long"].status_code == 200
+    # Served on the first attempt: no lease ran out, nothing was re-run.
+    assert metric_sum(stack.router_url, "router_lease_reruns_total") == reruns_before
+    assert pair.decode.log_text().count("released its KV blocks") == refusals_before
     # Whether the queue outlasted the lease depends on the machine; the answers may not.
     print(f"queued requests waited up to {waited:.1f} s (lease {LEASE_S} s)")
     assert_alive(stack)

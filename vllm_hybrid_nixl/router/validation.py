@@ -170,6 +170,14 @@ def request_problem(
     problem = _bounded_int(body, "n", 1, settings.max_n, "max_n setting")
     if problem:
         return problem
+    temperature = body.get("temperature")
+    if (body.get("n") or 1) > 1 and isinstance(temperature, int | float) and temperature == 0:
+        return RequestProblem(
+            400,
+            "n must be 1 when using greedy sampling (temperature 0), as vLLM requires; "
+            "set a temperature above 0 or ask for one choice",
+            "n",
+        )
     problem = _prompt_problem(endpoint, body, settings)
     if problem:
         return problem
