@@ -9,6 +9,7 @@ the same scenario answers HTTP 200 with wrong tokens, so these tests can fail.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,5 +159,55 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
         assert sample_sum(metrics, "router_lease_reruns_total") == reruns
         assert engine_posts(expiring.spec.url) == 1
         assert "its lease expired" in guarded.decode.log_text()
+    finally:
+        router.stop()
+
+
+def chat_text(response: httpx.Response, stream: bool) -> str:
+    if not stream:
+        return response.json()["choices"][0]["message"]["content"]
+    text = ""
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            payload = json.loads(line[6:])
+            assert "error" not in payload, payload
+            for choice in payload["choices"]:
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_router_reruns_refused_chat_requests_streamed_or_not(
+    guarded: PdPair, expiring: EngineProcess, stream: bool
+) -> None:
+    """Chat streams open with a role chunk before the decode engine loads the KV; a failed
+    load follows it. The router reads past that chunk, so a refused chat request is re-run
+    on the other prefill like a completion, and the client sees one clean answer."""
+    expiring.wait_healthy(timeout_s=420)
+    chat = {
+        "model": guarded.model,
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    with httpx.Client(timeout=120) as client:
+        alone = client.post(f"{guarded.decode.spec.url}/v1/chat/completions", json=chat)
+        expected = chat_text(alone, stream)
+    pool = BackendPool.from_urls(
+        [expiring.spec.url, guarded.prefill.spec.url], [guarded.decode.spec.url]
+    )
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        wait_router_ready(router.url)
+        posts_before = engine_posts(expiring.spec.url)
+        with httpx.Client(timeout=120) as client:
+            answer = client.post(f"{router.url}/v1/chat/completions", json=chat)
+            metrics = client.get(f"{router.url}/metrics").text
+        assert answer.status_code == 200, answer.text
+        assert chat_text(answer, stream) == expected
+        reruns = 1 if compat.transfer_results_api() else 0
+        assert sample_sum(metrics, "router_lease_reruns_total") == reruns
+        assert engine_posts(expiring.spec.url) == posts_before + 1
     finally:
         router.stop()
