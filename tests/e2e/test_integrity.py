@@ -31,6 +31,7 @@ from tests.e2e.pd_fixture import (
     wait_router_ready,
 )
 from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.connector.lease import LEASE_PORT_OFFSET
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -284,6 +285,8 @@ def random_message(rng: random.Random, epoch: str) -> bytes:
 
 def test_the_lease_service_answers_malformed_messages_and_keeps_serving(stack: Stack) -> None:
     address = lease_address(stack)
+    # No lease_port set: the documented default, the side-channel port + 1000.
+    assert address.port == stack.pair.prefill.spec.side_channel_port + LEASE_PORT_OFFSET
     rng = random.Random(2026)
     socket = zmq.Context.instance().socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)

@@ -58,3 +58,33 @@ def test_engine_with_a_taken_side_channel_port_exits_with_the_reason(
             assert "What to change" in engine.log_text()
         finally:
             engine.stop()
+
+
+@pytest.mark.e2e
+def test_engine_with_a_taken_lease_port_exits_with_the_reason(
+    tiny_hybrid_model: Path, tmp_path: Path
+) -> None:
+    """A configured ``lease_port`` that is taken stops the prefill engine by name (a derived
+    default that is taken falls back to a free port with a warning instead)."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        spec = EngineSpec(
+            model=str(tiny_hybrid_model),
+            port=free_port(),
+            role="prefill",
+            side_channel_port=free_port(),
+            kv_extra_config={"lease_port": port},
+            extra_args=["--enforce-eager", "--max-model-len", "512", "--block-size", "64"],
+        )
+        engine = EngineProcess(spec, tmp_path / "engine.log").start()
+        wanted = f"KV lease service could not listen on 127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 420
+            while engine.alive() and time.monotonic() < deadline:
+                if wanted in engine.log_text():
+                    break
+                time.sleep(1)
+            assert wanted in engine.log_text(), engine.log_tail(40)
+            assert "give each engine on this host its own lease_port" in engine.log_text()
+        finally:
+            engine.stop()

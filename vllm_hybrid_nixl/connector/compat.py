@@ -309,3 +309,14 @@ def on_cpu_platform() -> bool:
     KV transfer uses."""
     platforms = importlib.import_module("vllm.platforms")
     return str(getattr(platforms.current_platform, "device_type", "")) == "cpu"
+
+
+def data_parallel_index(vllm_config: Any) -> int:
+    """This engine's data-parallel rank (the offset vLLM adds to its side-channel port):
+    ``data_parallel_index`` on 0.32+, ``data_parallel_rank`` before; 0 without either."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel, name, None)
+        if isinstance(value, int):
+            return value
+    return 0

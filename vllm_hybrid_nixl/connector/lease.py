@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
 from vllm_hybrid_nixl.protocol.lease_wire import (
@@ -63,6 +65,9 @@ PORT_KEY = "lease_port"
 TIMEOUT_KEY = "lease_check_timeout"
 GUARD_KEY = "lease_guard"  # false turns the guard off on this engine (benchmarks, stock peers)
 DEFAULT_LEASE_S = 30.0
+#: With no ``lease_port`` set, the lease service listens this far above the engine's NIXL
+#: side-channel port (which already carries vLLM's data-parallel offset): 5600 -> 6600.
+LEASE_PORT_OFFSET = 1000
 #: After a prefill engine's lease service failed to answer, pins to it are refused at once
 #: for this long instead of stalling the decode engine core for the timeout every step.
 UNREACHABLE_HOLD_S = 10.0
@@ -147,6 +152,10 @@ def local_refusal_message(decode_req: str, remote: RemoteKv, cause: str, change:
     )
 
 
+class LeasePortInUse(RuntimeError):
+    """The lease service's configured port cannot be bound."""
+
+
 class LeaseRenewer:
     """A daemon thread that renews the leases of decode requests still waiting for their
     turn, so a busy decode engine never lets a prefill engine release blocks it will read.
@@ -203,6 +212,7 @@ class LeaseHolderMixin:
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+        self._vllm_config = vllm_config
         self._lease_server: LeaseServer | None = None
         self._lease_guard = False
         self._lease_pending: dict[str, RemoteKv] = {}
@@ -233,8 +243,7 @@ class LeaseHolderMixin:
         table = LeaseTable(lease_s, pin_s, forget_after_s=stock_lease_s + 60)
         compat.extend_stock_lease(self.connector_scheduler, stock_lease_s)
         host = getattr(self.connector_scheduler, "side_channel_host", None) or "127.0.0.1"
-        port = int(config.get_from_extra_config(PORT_KEY, 0))
-        self._lease_server = LeaseServer(table, host, port)
+        self._lease_server = self._bind_lease_service(table, host, config)
         logger.info(
             "vllm-hybrid-nixl: KV lease service on %s (lease %g s, pin %g s, epoch %s)",
             self._lease_server.address.endpoint,
@@ -242,6 +251,40 @@ class LeaseHolderMixin:
             pin_s,
             table.epoch,
         )
+
+    def _bind_lease_service(self, table: LeaseTable, host: str, config: Any) -> LeaseServer:
+        """The lease service on ``lease_port`` + the data-parallel rank when set (0: a free
+        port), else on the side-channel port + ``LEASE_PORT_OFFSET``; a port in use is an
+        error by name when it was set, a warning and a free port when it was derived."""
+        configured = config.get_from_extra_config(PORT_KEY, None)
+        if configured is not None:
+            base = int(configured)
+            port = base + compat.data_parallel_index(self._vllm_config) if base else 0
+        else:
+            side = getattr(self.connector_scheduler, "side_channel_port", None)
+            port = side + LEASE_PORT_OFFSET if isinstance(side, int) and side > 0 else 0
+            if port > 65535:
+                port = 0
+        try:
+            return LeaseServer(table, host, port)
+        except zmq.ZMQError as exc:
+            if configured is not None or port == 0:
+                raise LeasePortInUse(
+                    f"vllm-hybrid-nixl: the KV lease service could not listen on {host}:{port} "
+                    f"({exc}). What to change: give each engine on this host its own "
+                    f"lease_port in kv_connector_extra_config (the data-parallel rank is "
+                    f"added to it), or stop what holds the port."
+                ) from exc
+            logger.warning(
+                "vllm-hybrid-nixl: the KV lease service's default port %s:%d (side-channel "
+                "port + %d) is taken (%s); listening on a free port instead. Decode engines on "
+                "other hosts reach it only if that port is open: set lease_port.",
+                host,
+                port,
+                LEASE_PORT_OFFSET,
+                exc,
+            )
+            return LeaseServer(table, host, 0)
 
     # ---- prefill engine ------------------------------------------------------------------
 

@@ -104,10 +104,14 @@ class LeaseServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         bind_host = f"[{host}]" if ":" in host else host
-        if port:
-            self._socket.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        try:
+            if port:
+                self._socket.bind(f"tcp://{bind_host}:{port}")
+            else:
+                port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError:
+            self._socket.close()
+            raise
         self.address = LeaseAddress(host, int(port), table.epoch)
         self._thread = threading.Thread(target=self._serve, name="hybrid-nixl-lease", daemon=True)
         self._thread.start()
