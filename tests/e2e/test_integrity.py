@@ -40,6 +40,7 @@ from vllm_hybrid_nixl.router.server import RouterServer
 pytestmark = pytest.mark.e2e
 
 LEASE_S = 2
+PIN_TIMEOUT_S = 20  # the decode engine's lease_check_timeout
 A = "The harbour master counted ships at dawn and wrote each name in the ledger. " * 3
 B = "A gull circled the old lighthouse while the keeper mended nets by the door. " * 3
 # Two blocks (128 tokens) longer than A: the decode engine died on it with A's parameters.
@@ -59,7 +60,10 @@ def stack(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[Stack]:
         tiny_hybrid_model,
         tmp_path_factory.mktemp("integrity-logs"),
         prefill={"kv_extra_config": {"kv_lease_duration": LEASE_S}},
-        decode={"extra_args": [*COMMON_ARGS, "--max-num-seqs", "1"]},
+        decode={
+            "extra_args": [*COMMON_ARGS, "--max-num-seqs", "1"],
+            "kv_extra_config": {"lease_check_timeout": PIN_TIMEOUT_S},
+        },
     )
     pair = next(pairs)
     pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
@@ -419,4 +423,58 @@ def test_requests_queued_behind_a_long_one_are_served_not_refused(stack: Stack) 
     assert pair.decode.log_text().count("released its KV blocks") == refusals_before
     # Whether the queue outlasted the lease depends on the machine; the answers may not.
     print(f"queued requests waited up to {waited:.1f} s (lease {LEASE_S} s)")
+    assert_alive(stack)
+
+
+class Blackhole:
+    """A ZeroMQ REP server on 127.0.0.1 that takes questions and never answers."""
+
+    def __init__(self) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.asked = threading.Event()
+        threading.Thread(target=self.swallow, daemon=True).start()
+
+    def swallow(self) -> None:
+        try:
+            self.socket.recv()
+            self.asked.set()
+        except zmq.ZMQError:
+            return
+
+
+def test_a_silent_lease_service_delays_only_the_requests_that_need_it(stack: Stack) -> None:
+    """A decode leg whose prefill's lease service never answers waits for its pin (up to the
+    decode engine's lease_check_timeout, 20 s here) in the background; meanwhile another P/D
+    request on the same decode engine is answered. Ordering, not timing: with pins inside the
+    engine's step, the engine would stand still until the silent pin timed out, so the other
+    request could not finish first. The silent one then fails loudly."""
+    pair = stack.pair
+    hole = Blackhole()
+    with httpx.Client(timeout=300) as client:
+        prefill = client.post(
+            f"{pair.prefill.spec.url}/v1/completions", json=prefill_body(body(pair.model, A))
+        )
+        params = prefill.json()["kv_transfer_params"]
+        params = {**params, PARAMS_KEY: {**params[PARAMS_KEY], "port": hole.port}}
+        stuck: list[httpx.Response] = []
+        leg = threading.Thread(
+            target=lambda: stuck.append(
+                httpx.post(
+                    f"{pair.decode.spec.url}/v1/completions",
+                    json={**body(pair.model, A), "kv_transfer_params": params},
+                    timeout=300,
+                )
+            )
+        )
+        leg.start()
+        assert hole.asked.wait(60), "the decode engine never asked the silent lease service"
+        answer = client.post(f"{stack.router_url}/v1/completions", json=body(pair.model, B))
+        still_waiting = leg.is_alive()
+        leg.join()
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone(stack, B)
+    assert still_waiting, "the other request finished only after the silent pin timed out"
+    assert stuck[0].status_code >= 400  # failed loudly (kv_load_failure_policy: fail)
+    assert "no answer from the prefill engine's lease service" in pair.decode.log_text()
     assert_alive(stack)

@@ -5,10 +5,14 @@ engine is held in a :class:`LeaseTable` and its ``kv_transfer_params`` name the 
 service; vLLM frees those blocks only when the table says so (after the decode's read, or
 when the lease or a pin runs out). vLLM's own lease is pushed out of the way.
 
-Decode engine (scheduler, 0.32+): before the worker reads a request's blocks, it is pinned
-on its prefill engine. A refused pin (released, unknown, restarted, unreachable) is logged
-with the cause and handed to the worker, which reports the read as a failed KV load: vLLM
-then fails the request or recomputes it (``kv_load_failure_policy``), never samples from it.
+Decode engine (scheduler, 0.32+): before blocks are allocated for a request's read, its
+lease is pinned on its prefill engine, in the background (:mod:`.lease_background`): vLLM
+is told the request is not ready yet (``None`` matched tokens) until the answer is in, so a
+slow or silent lease service delays only the requests that need it. A refused pin
+(released, taken, unknown, restarted, unreachable) is logged with the cause; under
+``kv_load_failure_policy: recompute`` the request computes its prompt itself, under ``fail``
+the refusal is handed to the worker, which reports the read as a failed KV load. Never is a
+request sampled from blocks whose pin was refused.
 
 Before any of that, on every release, a decode request whose ``kv_transfer_params`` cannot be
 its own (the prefill's prompt digest differs from its prompt, another decode request on this
@@ -34,20 +38,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from array import array
-from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer, Pinner
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
 from vllm_hybrid_nixl.protocol.lease_wire import (
-    MAX_IDS,
     PARAMS_KEY,
     LeaseAddress,
     LeaseAskFailed,
@@ -77,8 +80,6 @@ SLOW_PIN_S = 0.1
 REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 #: Expired leases a prefill worker reports as finished sends, on vLLM's connector metadata.
 EXPIRED_ATTRIBUTE = "hybrid_lease_expired"
-#: Renewals of waiting decode requests' leases: at most this often, at least 3 per lease.
-RENEW_EVERY_S = 1.0
 
 
 def prompt_digest(token_ids: Sequence[int] | None) -> str:
@@ -156,54 +157,6 @@ class LeasePortInUse(RuntimeError):
     """The lease service's configured port cannot be bound."""
 
 
-class LeaseRenewer:
-    """A daemon thread that renews the leases of decode requests still waiting for their
-    turn, so a busy decode engine never lets a prefill engine release blocks it will read.
-    Nothing here runs in the engine's step; an unanswering prefill delays only this thread."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._waiting: dict[str, RemoteKv] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def add(self, decode_req: str, remote: RemoteKv) -> None:
-        with self._lock:
-            self._waiting[decode_req] = remote
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="hybrid-nixl-lease-renewer", daemon=True
-                )
-                self._thread.start()
-
-    def drop(self, decode_req: str) -> None:
-        with self._lock:
-            self._waiting.pop(decode_req, None)
-
-    def waiting(self) -> int:
-        with self._lock:
-            return len(self._waiting)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                snapshot = list(self._waiting.values())
-            by_address: dict[LeaseAddress, list[str]] = defaultdict(list)
-            every = RENEW_EVERY_S
-            for remote in snapshot:
-                if remote.address is not None:
-                    by_address[remote.address].append(remote.remote_req)
-                    every = min(every, max(remote.lease_s / 3, 0.1))
-            for address, remote_reqs in by_address.items():
-                for start in range(0, len(remote_reqs), MAX_IDS):
-                    try:
-                        ask(address, "renew", remote_reqs[start : start + MAX_IDS], self._timeout_s)
-                    except LeaseAskFailed as exc:
-                        logger.warning("vllm-hybrid-nixl: lease renewal failed: %s", exc)
-            time.sleep(every)
-
-
 class LeaseHolderMixin:
     """Connector (scheduler role): hold, serve and settle leases on prefill engines; check,
     renew and pin them before reading on decode engines."""
@@ -215,13 +168,17 @@ class LeaseHolderMixin:
         self._vllm_config = vllm_config
         self._lease_server: LeaseServer | None = None
         self._lease_guard = False
-        self._lease_pending: dict[str, RemoteKv] = {}
+        self._lease_pending: dict[str, str] = {}  # decode: reads to fail, with messages
         self._refused_early: set[str] = set()
         self._warned_unguarded = False
         self._unreachable: dict[LeaseAddress, tuple[float, str]] = {}
         self._delayed: set[str] = set()  # prefill: requests vLLM keeps for a decode engine
         self._claims: dict[tuple[str, str], str] = {}  # decode: remote request -> reader
         self._renewer: LeaseRenewer | None = None
+        self._pinner: Pinner | None = None
+        self._pins: dict[str, Future[LeaseStatus]] = {}  # decode: pins under way
+        self._pinned: set[str] = set()  # decode: pins that succeeded
+        self._refused_reads: dict[str, str] = {}  # decode: refused pins -> their messages
         if getattr(self, "connector_scheduler", None) is None:
             return  # worker role
         config = vllm_config.kv_transfer_config
@@ -231,7 +188,9 @@ class LeaseHolderMixin:
             return
         self._lease_policy = compat.kv_load_failure_policy(config)
         self._lease_timeout_s = float(config.get_from_extra_config(TIMEOUT_KEY, 2.0))
-        self._renewer = LeaseRenewer(self._lease_timeout_s)
+        peers = LeasePeers()
+        self._renewer = LeaseRenewer(peers, self._lease_timeout_s)
+        self._pinner = Pinner(peers, self._lease_timeout_s)
         if config.is_kv_producer:
             self._start_lease_service(config)
 
@@ -344,25 +303,64 @@ class LeaseHolderMixin:
             return
         remote = self._lease_of(request)
         if remote is not None and remote.address is not None and not remote.problem:
-            self._renewer.add(request.request_id, remote)
+            self._renewer.add(request.request_id, remote.address, remote.remote_req, remote.lease_s)
 
     def _finished_on_decode(self, req_id: str) -> None:
         self._refused_early.discard(req_id)
+        self._pins.pop(req_id, None)
+        self._pinned.discard(req_id)
+        self._refused_reads.pop(req_id, None)
         if self._renewer is not None:
             self._renewer.drop(req_id)
         for key in [k for k, owner in self._claims.items() if owner == req_id]:
             del self._claims[key]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        if self._lease_guard and self._refused_before_loading(request):
-            params = request.kv_transfer_params
-            params["do_remote_prefill"] = False  # as vLLM marks a request it has dealt with
-            if self._renewer is not None:
-                self._renewer.drop(request.request_id)
-            return 0, False  # nothing to load: the decode engine computes the prompt
+        if self._lease_guard:
+            if self._refused_before_loading(request):
+                return self._compute_locally(request)
+            if compat.transfer_results_api():
+                pending = self._pin_in_background(request)
+                if pending:
+                    return None, False  # asked again next step; other requests go on
+                refusal = self._refused_reads.get(request.request_id)
+                if refusal is not None and self._lease_policy == "recompute":
+                    self._refused_reads.pop(request.request_id)
+                    return self._compute_locally(request)
         return super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )
+
+    def _compute_locally(self, request: Any) -> tuple[int, bool]:
+        """Nothing to load: the decode engine computes the prompt itself."""
+        request.kv_transfer_params["do_remote_prefill"] = False  # as vLLM marks a handled one
+        if self._renewer is not None:
+            self._renewer.drop(request.request_id)
+        return 0, False
+
+    def _pin_in_background(self, request: Any) -> bool:
+        """Pin the request's lease off the engine's step; True while the answer is pending.
+        A refused pin leaves its message in ``_refused_reads``."""
+        req_id = request.request_id
+        if req_id in self._pinned or req_id in self._refused_reads or self._pinner is None:
+            return False
+        remote = self._lease_of(request)
+        if remote is None or remote.address is None:
+            return False
+        future = self._pins.get(req_id)
+        if future is None:
+            reader = self._reader(req_id)
+            self._pins[req_id] = self._pinner.submit(remote.address, remote.remote_req, reader)
+            return True
+        if not future.done():
+            return True
+        del self._pins[req_id]
+        status = future.result()
+        if status.readable:
+            self._pinned.add(req_id)
+        else:
+            self._refused_reads[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
+        return False
 
     def _lease_of(self, request: Any) -> RemoteKv | None:
         """Where a request's KV is to come from; None when it comes from no prefill engine,
@@ -471,18 +469,17 @@ class LeaseHolderMixin:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         if self._renewer is not None:
             self._renewer.drop(request.request_id)  # the pin (or nothing) takes over
-        # Pinned just before the read on releases that report failed loads per request;
-        # earlier releases were pinned in get_num_new_matched_tokens, in this same step.
-        if self._lease_guard and num_external_tokens > 0 and compat.transfer_results_api():
-            remote = self._lease_of(request)
-            if remote is not None and remote.address is not None:
-                self._lease_pending[request.request_id] = remote
+        # A refused pin (0.32+) fails the read it was for; earlier releases refused before
+        # loading anything, in get_num_new_matched_tokens.
+        refusal = self._refused_reads.pop(request.request_id, None)
+        if refusal is not None and num_external_tokens > 0:
+            self._lease_pending[request.request_id] = refusal
         return super().update_state_after_alloc(  # type: ignore[misc]
             request, blocks, num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        refusals = self._pin_pending() if self._lease_pending else {}
+        refusals, self._lease_pending = self._lease_pending, {}
         expired = self._expired_to_report()
         metadata = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
         if refusals:
@@ -490,24 +487,6 @@ class LeaseHolderMixin:
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
         return metadata
-
-    def _pin_pending(self) -> dict[str, str]:
-        """Pin every request about to be read; the refused ones, with their messages."""
-        by_address: dict[LeaseAddress, dict[str, tuple[str, RemoteKv]]] = defaultdict(dict)
-        for req_id, remote in self._lease_pending.items():
-            assert remote.address is not None  # only requests with an address are pending
-            by_address[remote.address][remote.remote_req] = (req_id, remote)
-        self._lease_pending = {}
-        refusals = {}
-        for address, requests in by_address.items():
-            readers = {remote_req: req_id for remote_req, (req_id, _) in requests.items()}
-            answers = self._pin_at(address, readers)
-            for remote_req, status in answers.items():
-                if status.readable:
-                    continue
-                req_id, remote = requests[remote_req]
-                refusals[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
-        return refusals
 
     def _reader(self, decode_req: str) -> str:
         return f"{getattr(self, 'engine_id', '')}/{decode_req}"

@@ -198,6 +198,55 @@ class LeaseProtocolError(LeaseAskFailed):
     """The answer was not this protocol's (or the service refused the question)."""
 
 
+class LeaseClient:
+    """One persistent connection to one lease service, for one asker at a time (a lock
+    serialises callers). A question that got no answer closes the connection, so the next
+    one starts clean (a ZeroMQ REQ socket cannot send again before it received)."""
+
+    def __init__(self, address: LeaseAddress) -> None:
+        self.address = address
+        self._socket: zmq.Socket | None = None
+        self._lock = threading.Lock()
+
+    def ask(
+        self,
+        op: str,
+        req_ids: Iterable[str],
+        timeout_s: float,
+        readers: dict[str, str] | None = None,
+    ) -> dict[str, LeaseStatus]:
+        """As :func:`ask`, over this client's connection."""
+        reqs = list(req_ids)
+        message: dict[str, object] = {"op": op, "epoch": self.address.epoch, "reqs": reqs}
+        if readers:
+            message["readers"] = readers
+        where = f"the prefill engine's lease service at {self.address.endpoint}"
+        with self._lock:
+            try:
+                if self._socket is None:
+                    self._socket = zmq.Context.instance().socket(zmq.REQ)
+                    self._socket.setsockopt(zmq.LINGER, 0)
+                    self._socket.connect(self.address.endpoint)
+                self._socket.send(json.dumps(message).encode())
+                if not self._socket.poll(int(timeout_s * 1000)):
+                    self._close()
+                    raise LeaseUnreachable(f"no answer from {where} within {timeout_s:g} s")
+                raw = self._socket.recv()
+            except zmq.ZMQError as exc:
+                self._close()
+                raise LeaseUnreachable(f"could not reach {where}: {exc}") from exc
+        return read_reply(raw, self.address, reqs, where)
+
+    def _close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
 def ask(
     address: LeaseAddress,
     op: str,
