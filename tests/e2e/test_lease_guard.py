@@ -30,6 +30,7 @@ from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
+from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
 
@@ -101,6 +102,24 @@ def test_decode_legs_within_the_lease_still_read_the_kv(
         outcome.wrong_200 += one.wrong_200
         outcome.errors += one.errors
     assert outcome.correct == 4 and not outcome.errors, outcome
+
+
+def test_expired_leases_free_a_full_cache_at_the_next_step(guarded: PdPair) -> None:
+    """The prefill engine's 96 blocks filled with leases nobody reads (prefill legs only, 8
+    blocks each): the legs after the first twelve wait for blocks, which come free when the
+    first leases expire (3 s). vLLM frees blocks only for what a worker reports; expired
+    leases are reported that way at the next step, also while the engine runs only empty
+    steps for a waiting request. (Before, they waited for vLLM's own lease, pushed to lease +
+    pin + 60 s = 93 s here, so each of these legs would outlast its 45 s timeout.)"""
+    url = guarded.prefill.spec.url
+    with httpx.Client(timeout=45) as client:
+        for i in range(30):
+            prompt = f"Cargo manifest {i}: " + "barrels of salt, coils of rope, lamp oil. " * 55
+            leg = client.post(
+                f"{url}/v1/completions", json=prefill_body(body(guarded.model, prompt, 2))
+            )
+            assert leg.status_code == 200, leg.text
+    httpx.get(f"{url}/health", timeout=30).raise_for_status()
 
 
 def test_a_prefill_engine_restarted_between_the_legs_is_detected(

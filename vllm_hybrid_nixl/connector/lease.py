@@ -276,6 +276,9 @@ class LeaseHolderMixin:
         return delay, self._with_lease(request, delay, params)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._renewer is not None:
+            for req_id in connector_output.finished_recving or ():
+                self._renewer.drop(req_id)  # read (or failed): the lease is no longer wanted
         if self._lease_server is not None:
             finished = set(connector_output.finished_sending or ())
             released = self._lease_server.table.settle(finished)
@@ -467,8 +470,8 @@ class LeaseHolderMixin:
         return message
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        if self._renewer is not None:
-            self._renewer.drop(request.request_id)  # the pin (or nothing) takes over
+        if self._renewer is not None and num_external_tokens == 0:
+            self._renewer.drop(request.request_id)  # nothing to read: nothing to keep
         # A refused pin (0.32+) fails the read it was for; earlier releases refused before
         # loading anything, in get_num_new_matched_tokens.
         refusal = self._refused_reads.pop(request.request_id, None)
