@@ -114,7 +114,7 @@ def test_expired_leases_free_a_full_cache_at_the_next_step(guarded: PdPair) -> N
     url = guarded.prefill.spec.url
     with httpx.Client(timeout=45) as client:
         for i in range(30):
-            prompt = f"Cargo manifest {i}: " + "barrels of salt, coils of rope, lamp oil. " * 55
+            prompt = f"Cargo manifest {i}: " + "barrels of salt, coils of rope, lamp oil. " * 30
             leg = client.post(
                 f"{url}/v1/completions", json=prefill_body(body(guarded.model, prompt, 2))
             )
