@@ -1,16 +1,18 @@
 """What a silent lease service costs the decode engine's other streams: inter-token latency
 of a running stream while decode legs wait on a prefill whose lease port never answers,
-against the same stream without them, side by side in one run (rounds alternate).
+against the same stream while the same legs meet a lease service that answers at once, side
+by side in one run (rounds alternate).
 
 One prefill and one decode engine (tiny model, HybridNixlConnector, one core each; the
-decode's ``lease_check_timeout`` 3 s). Each round streams one colocated request of 192
-tokens from the decode engine (one token per event) and reads the gaps between events. In
-the *blackhole* rounds, four decode legs arrive at its first token whose ``hybrid_lease``
-names a ZeroMQ service that takes questions and never answers: their pins wait (up to 3 s)
-off the engine's step, and they fail after it. ``lease_blackhole_itl_ratio`` = ITL p99 with
-them / without.
+decode's ``lease_check_timeout`` 3 s). Each round streams one colocated request of 384
+tokens from the decode engine (one token per event) and reads the gaps between events. At
+its first token, four decode legs arrive whose ``hybrid_lease`` names a stand-in lease
+service: in *answering* rounds it refuses each pin at once ("released"), in *blackhole*
+rounds it takes the question and never answers, so the pins wait (3 s) and then fail. Both
+arms send the same legs, which fail either way; the only difference is the silence.
+``lease_blackhole_itl_ratio`` = ITL p99 blackhole / answering.
 
-    python -m bench.lease_blackhole [--rounds 6]
+    python -m bench.lease_blackhole [--rounds 10]
 
 Writes ``bench/results/lease_blackhole.json`` and ``lease_blackhole_itl_ratio`` into
 ``bench/results/latest.json``.
@@ -38,23 +40,31 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
 ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
-STREAM_TOKENS = 192
-SILENT_LEGS = 4
+STREAM_TOKENS = 384
+REFUSED_LEGS = 4
 
 
-class Blackhole:
-    """Takes every lease question and never answers."""
+class LeaseStandIn:
+    """A lease service on 127.0.0.1 that refuses every pin at once ("released"), or, as a
+    blackhole, takes every question and never answers."""
 
-    def __init__(self) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)  # takes any number unanswered
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)  # any number of askers
         self.socket.setsockopt(zmq.LINGER, 0)
         self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        threading.Thread(target=self.swallow, daemon=True).start()
+        threading.Thread(target=self.serve, daemon=True).start()
 
-    def swallow(self) -> None:
+    def serve(self) -> None:
         while True:
             try:
-                self.socket.recv_multipart()
+                identity, empty, raw = self.socket.recv_multipart()
+                if not self.answers:
+                    continue
+                asked = json.loads(raw)
+                released = {"state": "released", "reason": "bench: refused at once"}
+                reply = {"epoch": asked["epoch"], "leases": {r: released for r in asked["reqs"]}}
+                self.socket.send_multipart([identity, empty, json.dumps(reply).encode()])
             except zmq.ZMQError:
                 return
 
@@ -77,12 +87,12 @@ def stream_gaps(
     return gaps
 
 
-def silent_legs(prefill: str, decode: str, body: dict, hole: Blackhole) -> list[int]:
-    """Decode legs whose lease service is the blackhole; their HTTP statuses."""
+def refused_legs(prefill: str, decode: str, body: dict, hole: LeaseStandIn) -> list[int]:
+    """Decode legs whose lease service is ``hole``; their HTTP statuses."""
     statuses: list[int] = []
     with httpx.Client(timeout=120) as client:
         legs = []
-        for _ in range(SILENT_LEGS):
+        for _ in range(REFUSED_LEGS):
             params = client.post(f"{prefill}/v1/completions", json=prefill_body(body)).json()[
                 "kv_transfer_params"
             ]
@@ -100,18 +110,19 @@ def silent_legs(prefill: str, decode: str, body: dict, hole: Blackhole) -> list[
     return statuses
 
 
-statuses: list[int] = []
+statuses: dict[str, list[int]] = {"answering": [], "blackhole": []}
 
 
 def after_first_token(
-    first: threading.Event, prefill: str, decode: str, leg: dict, hole: Blackhole
+    first: threading.Event, prefill: str, decode: str, leg: dict, hole: LeaseStandIn
 ) -> None:
     first.wait(60)
-    statuses.extend(silent_legs(prefill, decode, leg, hole))
+    kind = "answering" if hole.answers else "blackhole"
+    statuses[kind].extend(refused_legs(prefill, decode, leg, hole))
 
 
 def run(rounds: int) -> dict:
-    gaps: dict[str, list[float]] = {"quiet": [], "blackhole": []}
+    gaps: dict[str, list[float]] = {"answering": [], "blackhole": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", TinyModelSpec())
         specs = {
@@ -128,7 +139,7 @@ def run(rounds: int) -> dict:
         for spec in specs.values():
             spec.side_channel_port = free_port()
         engines = {n: EngineProcess(s, Path(tmp) / f"{n}.log") for n, s in specs.items()}
-        hole = Blackhole()
+        holes = {"answering": LeaseStandIn(answers=True), "blackhole": LeaseStandIn(answers=False)}
         try:
             for engine in engines.values():
                 engine.start()
@@ -144,19 +155,25 @@ def run(rounds: int) -> dict:
             }
             leg = {**stream, "prompt": "A ship waits outside the harbour. " * 8, "max_tokens": 4}
             with httpx.Client(timeout=300) as client:
-                stream_gaps(client, decode, stream, threading.Event())  # warm-up
-                for i in range(2 * rounds):
-                    kind = ("quiet", "blackhole")[(i + i // 2) % 2]  # q b, b q, q b, ...
+                for kind in holes:  # warm-up, the NIXL handshake of the first leg included
                     first = threading.Event()
-                    helper = None
-                    if kind == "blackhole":
-                        helper = threading.Thread(
-                            target=after_first_token, args=(first, prefill, decode, leg, hole)
-                        )
-                        helper.start()
+                    helper = threading.Thread(
+                        target=after_first_token, args=(first, prefill, decode, leg, holes[kind])
+                    )
+                    helper.start()
+                    stream_gaps(client, decode, stream, first)
+                    helper.join()
+                for values in statuses.values():
+                    values.clear()
+                for i in range(2 * rounds):
+                    kind = ("answering", "blackhole")[(i + i // 2) % 2]  # a b, b a, a b, ...
+                    first = threading.Event()
+                    helper = threading.Thread(
+                        target=after_first_token, args=(first, prefill, decode, leg, holes[kind])
+                    )
+                    helper.start()
                     measured = stream_gaps(client, decode, stream, first)
-                    if helper is not None:
-                        helper.join()
+                    helper.join()
                     gaps[kind].extend(measured)
                     p99 = np.percentile(measured, 99) * 1e3
                     print(f"  round {i // 2} {kind}: ITL p99 {p99:.1f} ms", file=sys.stderr)
@@ -168,17 +185,18 @@ def run(rounds: int) -> dict:
     return {
         "rounds_each": rounds,
         "stream_tokens": STREAM_TOKENS,
-        "silent_legs_per_round": SILENT_LEGS,
-        "silent_leg_statuses": sorted(set(statuses)),
+        "refused_legs_per_round": REFUSED_LEGS,
+        "refused_leg_statuses": {k: sorted(set(v)) for k, v in statuses.items()},
         "itl_ms_p50": p50,
         "itl_ms_p99": p99,
-        "lease_blackhole_itl_ratio": p99["blackhole"] / p99["quiet"],
+        "itl_ms_max": {k: max(v) * 1e3 for k, v in gaps.items()},
+        "lease_blackhole_itl_ratio": p99["blackhole"] / p99["answering"],
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     result = run(args.rounds)

@@ -174,6 +174,7 @@ class LeaseHolderMixin:
         self._unreachable: dict[LeaseAddress, tuple[float, str]] = {}
         self._delayed: set[str] = set()  # prefill: requests vLLM keeps for a decode engine
         self._claims: dict[tuple[str, str], str] = {}  # decode: remote request -> reader
+        self._accepted: dict[str, RemoteKv] = {}  # decode: requests that passed those checks
         self._renewer: LeaseRenewer | None = None
         self._pinner: Pinner | None = None
         self._pins: dict[str, Future[LeaseStatus]] = {}  # decode: pins under way
@@ -310,6 +311,7 @@ class LeaseHolderMixin:
 
     def _finished_on_decode(self, req_id: str) -> None:
         self._refused_early.discard(req_id)
+        self._accepted.pop(req_id, None)
         self._pins.pop(req_id, None)
         self._pinned.discard(req_id)
         self._refused_reads.pop(req_id, None)
@@ -347,7 +349,7 @@ class LeaseHolderMixin:
         req_id = request.request_id
         if req_id in self._pinned or req_id in self._refused_reads or self._pinner is None:
             return False
-        remote = self._lease_of(request)
+        remote = self._accepted.get(req_id)
         if remote is None or remote.address is None:
             return False
         future = self._pins.get(req_id)
@@ -426,6 +428,8 @@ class LeaseHolderMixin:
         prefill request on this engine, and (before 0.32) the pin. True when refused."""
         if request.request_id in self._refused_early:
             return True
+        if request.request_id in self._accepted:
+            return False  # checked in an earlier step (it waits for its pin or its blocks)
         remote = self._lease_of(request)
         if remote is None:
             return False
@@ -459,6 +463,7 @@ class LeaseHolderMixin:
             self._refused_early.add(request.request_id)
             return True
         self._claims[(remote.engine, remote.remote_req)] = request.request_id
+        self._accepted[request.request_id] = remote
         return False
 
     def _refusal(self, req_id: str, remote: RemoteKv, status: LeaseStatus, policy: str) -> str:
