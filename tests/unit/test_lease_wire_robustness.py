@@ -180,6 +180,9 @@ EPOCH = "0123456789abcdef"
         json.dumps({"epoch": EPOCH, "leases": {"r": {"state": "stolen"}}}).encode(),
         json.dumps({"epoch": EPOCH, "leases": {"r": {"state": "held", "lease_s": "x"}}}).encode(),
         json.dumps({"epoch": EPOCH, "error": "no"}).encode(),
+        json.dumps(
+            {"epoch": EPOCH, "leases": {"r": {"state": "held", "lease_s": 10**400}}}
+        ).encode(),
     ],
 )
 def test_every_reply_that_is_not_the_protocol_is_a_refusal_not_a_crash(reply: bytes) -> None:
@@ -211,3 +214,32 @@ def test_an_endpoint_zeromq_cannot_use_is_a_failed_ask() -> None:
     address = LeaseAddress("no-such-host.invalid", 5555, EPOCH)
     with pytest.raises(LeaseAskFailed):
         ask(address, "pin", ["r"], timeout_s=0.5)
+
+
+def test_background_pins_batch_per_endpoint_and_never_raise(service) -> None:
+    """The decode engine's pinner: pins to one service go out together and come back as
+    statuses; a silent service and an impostor come back as refusals naming why."""
+    from vllm_hybrid_nixl.connector.lease_background import LeasePeers, Pinner
+
+    server, table = service
+    table.hold("a")
+    table.hold("b")
+    pinner = Pinner(LeasePeers(), timeout_s=0.5)
+    first = pinner.submit(server.address, "a", "decode/1")
+    second = pinner.submit(server.address, "b", "decode/2")
+    other = pinner.submit(server.address, "a", "decode/3")  # a second reader of "a"
+    assert first.result(10).state is LeaseState.PINNED
+    assert second.result(10).state is LeaseState.PINNED
+    assert other.result(10).state is LeaseState.TAKEN
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes questions, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        nobody = pinner.submit(LeaseAddress("127.0.0.1", port, EPOCH), "x", "decode/4")
+        refused = nobody.result(10)
+        assert refused.state is LeaseState.UNKNOWN and "no answer" in refused.reason
+    finally:
+        silent.close()
+    impostor = Impostor(b"[]")
+    odd = pinner.submit(LeaseAddress("127.0.0.1", impostor.port, EPOCH), "x", "decode/5")
+    assert odd.result(10).state is LeaseState.UNKNOWN and "not an object" in odd.result().reason

@@ -53,7 +53,6 @@ from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, Lease
 from vllm_hybrid_nixl.protocol.lease_wire import (
     PARAMS_KEY,
     LeaseAddress,
-    LeaseAskFailed,
     LeaseParamsError,
     LeaseServer,
     ask,
@@ -82,9 +81,22 @@ REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 EXPIRED_ATTRIBUTE = "hybrid_lease_expired"
 
 
-def prompt_digest(token_ids: Sequence[int] | None) -> str:
-    """SHA-256 of a prompt's token ids (as 64-bit integers): binds a prefill to its prompt."""
-    return hashlib.sha256(array("q", token_ids or ()).tobytes()).hexdigest()
+def prompt_digest(token_ids: Sequence[int] | None, request: Any = None) -> str:
+    """SHA-256 of a prompt's token ids (as 64-bit integers) and of what else makes its KV
+    (the cache salt, the LoRA adapter, the multimodal inputs' identifiers, from ``request``
+    where vLLM's request has them): binds a prefill to its prompt."""
+    digest = hashlib.sha256(array("q", token_ids or ()).tobytes())
+    if request is not None:
+        lora = getattr(request, "lora_request", None)
+        features = getattr(request, "mm_features", None) or ()
+        extras = [
+            str(getattr(request, "cache_salt", None) or ""),
+            str(getattr(lora, "lora_name", "") if lora is not None else ""),
+            *(str(getattr(f, "identifier", "")) for f in features),
+        ]
+        if any(extras):
+            digest.update("\x00".join(extras).encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -249,7 +261,7 @@ class LeaseHolderMixin:
     # ---- prefill engine ------------------------------------------------------------------
 
     def _with_lease(self, request: Any, delay: bool, params: dict | None) -> dict | None:
-        if delay:
+        if delay and self._lease_server is not None:
             self._delayed.add(request.request_id)
         if self._lease_server is None or not delay or not params:
             return params
@@ -262,17 +274,17 @@ class LeaseHolderMixin:
             **self._lease_server.address.to_params(),
             "lease_s": table.lease_s,
             "prompt_tokens": len(prompt),
-            "prompt_sha256": prompt_digest(prompt),
+            "prompt_sha256": prompt_digest(prompt, request),
         }
         return params
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self._finished_on_decode(request.request_id)
+        self._finished_on_decode(request)
         delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        self._finished_on_decode(request.request_id)
+        self._finished_on_decode(request)
         delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
         return delay, self._with_lease(request, delay, params)
 
@@ -309,7 +321,21 @@ class LeaseHolderMixin:
         if remote is not None and remote.address is not None and not remote.problem:
             self._renewer.add(request.request_id, remote.address, remote.remote_req, remote.lease_s)
 
-    def _finished_on_decode(self, req_id: str) -> None:
+    def _finished_on_decode(self, request: Any) -> None:
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        if (
+            self._lease_guard
+            and compat.transfer_results_api()
+            and isinstance(params, dict)
+            and params.get("do_remote_prefill")
+            and req_id not in self._pinned
+            and self._lease_of(request) is not None
+        ):
+            # Finished (aborted) before its pin: vLLM would send the prefill a notice that
+            # frees the blocks, possibly under the reader that pinned them. The lease ends
+            # them instead.
+            params["do_remote_prefill"] = False
         self._refused_early.discard(req_id)
         self._accepted.pop(req_id, None)
         self._pins.pop(req_id, None)
@@ -328,6 +354,7 @@ class LeaseHolderMixin:
                 pending = self._pin_in_background(request)
                 if pending:
                     return None, False  # asked again next step; other requests go on
+                self._lost_lease(request.request_id)
                 refusal = self._refused_reads.get(request.request_id)
                 if refusal is not None and self._lease_policy == "recompute":
                     self._refused_reads.pop(request.request_id)
@@ -360,7 +387,10 @@ class LeaseHolderMixin:
         if not future.done():
             return True
         del self._pins[req_id]
-        status = future.result()
+        try:
+            status = future.result()
+        except Exception as exc:  # noqa: BLE001 - the Pinner answers statuses; never trust it
+            status = LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.300}")
         if status.readable:
             self._pinned.add(req_id)
         else:
@@ -414,7 +444,8 @@ class LeaseHolderMixin:
             return ""  # an older peer of ours: no prompt binding to check
         expected = self._tokens_to_load(request)
         prompt = list(request.prompt_token_ids or ())[: remote.prompt_tokens]
-        if remote.prompt_tokens != expected or prompt_digest(prompt) != remote.prompt_sha256:
+        digest = prompt_digest(prompt, request)
+        if remote.prompt_tokens != expected or digest != remote.prompt_sha256:
             return (
                 f"the prefill engine prefilled another prompt ({remote.prompt_tokens} tokens, "
                 f"this request loads {expected}; the token digests differ): its "
@@ -428,7 +459,7 @@ class LeaseHolderMixin:
         prefill request on this engine, and (before 0.32) the pin. True when refused."""
         if request.request_id in self._refused_early:
             return True
-        if request.request_id in self._accepted:
+        if request.request_id in self._accepted and compat.transfer_results_api():
             return False  # checked in an earlier step (it waits for its pin or its blocks)
         remote = self._lease_of(request)
         if remote is None:
@@ -475,22 +506,44 @@ class LeaseHolderMixin:
         return message
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        req_id = request.request_id
         if self._renewer is not None and num_external_tokens == 0:
-            self._renewer.drop(request.request_id)  # nothing to read: nothing to keep
-        # A refused pin (0.32+) fails the read it was for; earlier releases refused before
-        # loading anything, in get_num_new_matched_tokens.
-        refusal = self._refused_reads.pop(request.request_id, None)
-        if refusal is not None and num_external_tokens > 0:
-            self._lease_pending[request.request_id] = refusal
+            self._renewer.drop(req_id)  # nothing to read: nothing to keep
+        if self._lease_guard and compat.transfer_results_api():
+            self._lost_lease(req_id)
+            refusal = self._refused_reads.pop(req_id, None)
+            if refusal is not None and num_external_tokens > 0:
+                # A refused pin fails its read without reading: no NIXL read and no
+                # completion notice, which would free blocks another reader holds.
+                self._lease_pending[req_id] = refusal
+            elif req_id not in self._pinned and self._lease_of(request) is not None:
+                # Loads nothing without a pin (e.g. a full local prefix hit): no empty
+                # read either, whose notice would free the prefill's blocks under their
+                # pinned reader.
+                request.kv_transfer_params["do_remote_prefill"] = False
         return super().update_state_after_alloc(  # type: ignore[misc]
             request, blocks, num_external_tokens
         )
+
+    def _lost_lease(self, req_id: str) -> None:
+        """A renewal found a pinned request's lease ended: its read is refused."""
+        if self._renewer is None or req_id not in self._pinned:
+            return
+        status = self._renewer.take_lost(req_id)
+        remote = self._accepted.get(req_id)
+        if status is not None and remote is not None:
+            self._pinned.discard(req_id)
+            self._refused_reads[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         refusals, self._lease_pending = self._lease_pending, {}
         expired = self._expired_to_report()
         metadata = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
         if refusals:
+            to_read = getattr(metadata, "reqs_to_recv", None)
+            if isinstance(to_read, dict):
+                for req_id in refusals:
+                    to_read.pop(req_id, None)  # the worker reports it failed, unread
             setattr(metadata, REFUSALS_ATTRIBUTE, refusals)
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
@@ -520,15 +573,16 @@ class LeaseHolderMixin:
                         waited * 1e3,
                     )
                 return answers
-            except LeaseAskFailed as exc:
-                failed = (now, str(exc))
+            except Exception as exc:  # noqa: BLE001 - every failure is a refusal, by name
+                failed = (now, str(exc) or repr(exc))
                 self._unreachable[address] = failed
         return {r: LeaseStatus(LeaseState.UNKNOWN, failed[1]) for r in remote_reqs}
 
 
 class LeaseReaderMixin:
-    """Worker. Decode engine (vLLM 0.32+): a read whose pin was refused completes as a failed
-    load (``failed_recving``, kept in ``finished_recving`` as vLLM's own worker does).
+    """Worker. Decode engine (vLLM 0.32+): a read whose pin was refused is never started (the
+    scheduler takes it off the metadata's reads) and is reported as a failed load
+    (``failed_recving``, also in ``finished_recving`` as vLLM's own worker reports them).
     Prefill engine: leases the scheduler saw expire are reported as finished sends."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -543,10 +597,10 @@ class LeaseReaderMixin:
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()  # type: ignore[misc]
-        done = self._lease_refused & results.finished_recving
-        if done:
-            self._lease_refused -= done
-            results.failed_recving.update(done)
+        if self._lease_refused:  # never read (the scheduler took them off the reads)
+            results.finished_recving.update(self._lease_refused)
+            results.failed_recving.update(self._lease_refused)
+            self._lease_refused = set()
         if self._lease_expired:
             results.finished_sending.update(self._lease_expired)
             self._lease_expired = set()

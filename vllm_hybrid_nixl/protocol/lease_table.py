@@ -61,7 +61,7 @@ class LeaseStatus:
                 released_ago_s=float(data.get("released_ago_s", 0.0)),
                 lease_s=float(data.get("lease_s", 0.0)),
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:
             raise ValueError(f"not a lease status: {str(data)[:200]}") from exc
 
 

@@ -199,34 +199,38 @@ class LeaseProtocolError(LeaseAskFailed):
 
 
 class LeaseClient:
-    """One persistent connection to one lease service, for one asker at a time (a lock
-    serialises callers). A question that got no answer closes the connection, so the next
-    one starts clean (a ZeroMQ REQ socket cannot send again before it received)."""
+    """One persistent connection to one lease service endpoint (host and port, whatever
+    start of the engine answers there), for one asker at a time (a lock serialises callers).
+    A question that got no answer closes the connection, so the next one starts clean (a
+    ZeroMQ REQ socket cannot send again before it received)."""
 
-    def __init__(self, address: LeaseAddress) -> None:
-        self.address = address
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
         self._socket: zmq.Socket | None = None
         self._lock = threading.Lock()
 
     def ask(
         self,
+        address: LeaseAddress,
         op: str,
         req_ids: Iterable[str],
         timeout_s: float,
         readers: dict[str, str] | None = None,
     ) -> dict[str, LeaseStatus]:
-        """As :func:`ask`, over this client's connection."""
+        """As :func:`ask` (``address`` must be at this client's endpoint), over this
+        client's connection."""
         reqs = list(req_ids)
-        message: dict[str, object] = {"op": op, "epoch": self.address.epoch, "reqs": reqs}
+        message: dict[str, object] = {"op": op, "epoch": address.epoch, "reqs": reqs}
         if readers:
             message["readers"] = readers
-        where = f"the prefill engine's lease service at {self.address.endpoint}"
+        where = f"the prefill engine's lease service at {self.endpoint}"
+        timeout_s = max(float(timeout_s), 0.001)
         with self._lock:
             try:
                 if self._socket is None:
                     self._socket = zmq.Context.instance().socket(zmq.REQ)
                     self._socket.setsockopt(zmq.LINGER, 0)
-                    self._socket.connect(self.address.endpoint)
+                    self._socket.connect(self.endpoint)
                 self._socket.send(json.dumps(message).encode())
                 if not self._socket.poll(int(timeout_s * 1000)):
                     self._close()
@@ -235,7 +239,7 @@ class LeaseClient:
             except zmq.ZMQError as exc:
                 self._close()
                 raise LeaseUnreachable(f"could not reach {where}: {exc}") from exc
-        return read_reply(raw, self.address, reqs, where)
+        return read_reply(raw, address, reqs, where)
 
     def _close(self) -> None:
         if self._socket is not None:
@@ -261,6 +265,7 @@ def ask(
     if readers:
         message["readers"] = readers
     where = f"the prefill engine's lease service at {address.endpoint}"
+    timeout_s = max(float(timeout_s), 0.001)
     context = zmq.Context.instance()
     try:
         socket = context.socket(zmq.REQ)

@@ -261,8 +261,8 @@ class CompletionHandler:
             return self.failed(failure, request_id, finish)
         answers = all_runs.result()
         if not stream:
-            finish("ok")
             merged = merge_bodies(parts, [a.response.body for a in answers])
+            finish("ok")
             return Response(merged, status_code=200, media_type="application/json")
         return FanOutStream(parts, answers, self, finish)
 
