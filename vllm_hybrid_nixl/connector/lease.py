@@ -350,7 +350,12 @@ class LeaseHolderMixin:
         if self._lease_guard:
             if self._refused_before_loading(request):
                 return self._compute_locally(request)
-            if compat.transfer_results_api():
+            params = request.kv_transfer_params
+            remote_prefill = isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+            if compat.transfer_results_api() and remote_prefill:
+                skips_loading = getattr(request, "skip_reading_prefix_cache", False)
+                if skips_loading and self._lease_of(request) is not None:
+                    return self._compute_locally(request)  # vLLM would load nothing anyway
                 pending = self._pin_in_background(request)
                 if pending:
                     return None, False  # asked again next step; other requests go on

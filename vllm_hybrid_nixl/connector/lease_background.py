@@ -149,10 +149,15 @@ class LeaseRenewer:
         with self._lock:
             self._waiting[decode_req] = (address, remote_req, lease_s)
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name="hybrid-nixl-lease-renewer", daemon=True
                 )
-                self._thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:
+                    logger.exception("vllm-hybrid-nixl: the lease renewer could not start")
+                    return  # tried again with the next request
+                self._thread = thread
 
     def drop(self, decode_req: str) -> None:
         with self._lock:
