@@ -4,7 +4,7 @@ against the same stream while the same legs meet a lease service that answers at
 by side in one run (rounds alternate).
 
 One prefill and one decode engine (tiny model, HybridNixlConnector, one core each; the
-decode's ``lease_check_timeout`` 3 s). Each round streams one colocated request of 384
+decode's ``lease_check_timeout`` 1 s, 3 tries). Each round streams one colocated request of 384
 tokens from the decode engine (one token per event) and reads the gaps between events. At
 its first token, four decode legs arrive whose ``hybrid_lease`` names a stand-in lease
 service: in *answering* rounds it refuses each pin at once ("released"), in *blackhole*
@@ -133,7 +133,7 @@ def run(rounds: int) -> dict:
                 "decode",
                 cpu_core=1,
                 extra_args=ARGS,
-                kv_extra_config={"lease_check_timeout": 3},
+                kv_extra_config={"lease_check_timeout": 1},
             ),
         }
         for spec in specs.values():

@@ -14,12 +14,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus
-from vllm_hybrid_nixl.protocol.lease_wire import MAX_IDS, LeaseAddress, LeaseClient
+from vllm_hybrid_nixl.protocol.lease_wire import (
+    MAX_IDS,
+    LeaseAddress,
+    LeaseClient,
+    LeaseUnreachable,
+)
 
 logger = logging.getLogger("vllm.hybrid_nixl.lease")
 
 #: Renewals of waiting decode requests' leases: at most this often, at least 3 per lease.
 RENEW_EVERY_S = 1.0
+#: Tries of a pin whose lease service did not answer in time before it is refused: an engine
+#: core starved of its core for a moment must not fail a request (each try waits up to
+#: ``lease_check_timeout``; a pin repeated by the same reader only renews it).
+PIN_ATTEMPTS = 3
 #: Lease endpoints with a connection (and a thread) kept at once; the least recently used
 #: one is closed beyond this.
 MAX_PEERS = 64
@@ -111,7 +120,7 @@ class Pinner:
             readers = {remote_req: reader for remote_req, reader, _ in batch}
             started = time.monotonic()
             try:
-                answers = client.ask(address, "pin", list(readers), self._timeout_s, readers)
+                answers = self._pin_with_retries(client, address, readers)
             except Exception as exc:  # noqa: BLE001 - every failure is a refusal, by name
                 logger.warning(
                     "vllm-hybrid-nixl: pinning %d lease(s) at %s failed after %.0f ms: %s",
@@ -125,6 +134,24 @@ class Pinner:
                 continue
             for remote_req, _, future in batch:
                 future.set_result(answers.get(remote_req, LeaseStatus(LeaseState.UNKNOWN)))
+
+    def _pin_with_retries(
+        self, client: LeaseClient, address: LeaseAddress, readers: dict[str, str]
+    ) -> dict[str, LeaseStatus]:
+        for attempt in range(1, PIN_ATTEMPTS + 1):
+            try:
+                return client.ask(address, "pin", list(readers), self._timeout_s, readers)
+            except LeaseUnreachable as exc:
+                if attempt == PIN_ATTEMPTS:
+                    raise LeaseUnreachable(f"{exc} ({PIN_ATTEMPTS} tries)") from exc
+                logger.warning(
+                    "vllm-hybrid-nixl: pin at %s, try %d of %d: %s",
+                    address.endpoint,
+                    attempt,
+                    PIN_ATTEMPTS,
+                    exc,
+                )
+        raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def _unknown(reason: str) -> LeaseStatus:
