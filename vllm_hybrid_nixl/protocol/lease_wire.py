@@ -258,31 +258,13 @@ def ask(
     timeout_s: float = 2.0,
     readers: dict[str, str] | None = None,
 ) -> dict[str, LeaseStatus]:
-    """Pin, renew or look up leases; raises :class:`LeaseAskFailed` (never anything else)
-    when no usable answer came."""
-    reqs = list(req_ids)
-    message: dict[str, object] = {"op": op, "epoch": address.epoch, "reqs": reqs}
-    if readers:
-        message["readers"] = readers
-    where = f"the prefill engine's lease service at {address.endpoint}"
-    timeout_s = max(float(timeout_s), 0.001)
-    context = zmq.Context.instance()
+    """Pin, renew or look up leases over a connection of its own; raises
+    :class:`LeaseAskFailed` (never anything else) when no usable answer came."""
+    client = LeaseClient(address.endpoint)
     try:
-        socket = context.socket(zmq.REQ)
-    except zmq.ZMQError as exc:
-        raise LeaseUnreachable(f"no socket for {where}: {exc}") from exc
-    socket.setsockopt(zmq.LINGER, 0)
-    try:
-        socket.connect(address.endpoint)
-        socket.send(json.dumps(message).encode())
-        if not socket.poll(int(timeout_s * 1000)):
-            raise LeaseUnreachable(f"no answer from {where} within {timeout_s:g} s")
-        raw = socket.recv()
-    except zmq.ZMQError as exc:
-        raise LeaseUnreachable(f"could not reach {where}: {exc}") from exc
+        return client.ask(address, op, req_ids, timeout_s, readers)
     finally:
-        socket.close()
-    return read_reply(raw, address, reqs, where)
+        client.close()
 
 
 def read_reply(
