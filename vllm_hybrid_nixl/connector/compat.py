@@ -17,18 +17,24 @@ from typing import Any
 
 from packaging.version import Version
 
-MIN_SUPPORTED = Version("0.24.0")  # first release with nixl/base_worker.py
-MAX_SUPPORTED_EXCLUSIVE = Version("0.34.0")
-SUPPORTED_RANGE = f">={MIN_SUPPORTED},<{MAX_SUPPORTED_EXCLUSIVE}"
-# The version matrix's releases (README's matrix table has one column each). 0.33 exists on
-# the registry only as the CUDA build: tested on the CPU platform without engines (classes,
-# NIXL registration and transfers, KV-cache planning, `check`).
-TESTED_RELEASES = ("0.25.1", "0.27.1", "0.32.0", "0.33.0")
-TESTED_WITHOUT_ENGINES = ("0.33.0",)
+from vllm_hybrid_nixl.common import releases
+
+MIN_SUPPORTED = Version(releases.MIN_SUPPORTED)  # first release with nixl/base_worker.py
+# No upper bound: a release newer than the newest tested one runs when the registration
+# audit (connector/registration_audit.py) verifies its descriptors, with a warning.
+SUPPORTED_RANGE = f">={MIN_SUPPORTED}"
+TESTED_RELEASES = releases.TESTED_RELEASES
+TESTED_WITHOUT_ENGINES = releases.TESTED_WITHOUT_ENGINES
+NEWEST_TESTED = releases.NEWEST_TESTED
+
+
+def newer_than_tested(found: InstalledVllm) -> bool:
+    """Whether ``found`` is a release after the newest one of the version matrix."""
+    return Version(found.version.base_version) > Version(NEWEST_TESTED)
 
 
 def tested_releases_text() -> str:
-    """``0.25.1, 0.27.1, 0.32.0, 0.33.0 (without engines)`` for messages."""
+    """``0.25.1, 0.27.1, 0.32.0, 0.33.0 (without engines), ...`` for messages."""
     return ", ".join(
         f"{release} (without engines)" if release in TESTED_WITHOUT_ENGINES else release
         for release in TESTED_RELEASES
@@ -97,7 +103,7 @@ def check_supported(found: InstalledVllm | None) -> InstalledVllm:
             "or `pip install 'vllm-hybrid-nixl[cpu]'` for vLLM's CPU build."
         )
     release = Version(found.version.base_version)
-    if not MIN_SUPPORTED <= release < MAX_SUPPORTED_EXCLUSIVE:
+    if release < MIN_SUPPORTED:
         raise UnsupportedVllmError(
             f"vllm-hybrid-nixl supports vLLM {SUPPORTED_RANGE}, but {found.distribution}"
             f"=={found.version} is installed. Install a release in that range "
@@ -320,3 +326,117 @@ def data_parallel_index(vllm_config: Any) -> int:
         if isinstance(value, int):
             return value
     return 0
+
+
+# ---- what the registration audit reads of vLLM's own descriptor computation ------------------
+
+
+class DescriptorFactMissing(RuntimeError):
+    """This release's NIXL worker lacks a fact the registration audit reads (named)."""
+
+
+def _worker_fact(worker: Any, name: str) -> Any:
+    try:
+        return getattr(worker, name)
+    except AttributeError:
+        found = installed_vllm()
+        raise DescriptorFactMissing(
+            f"vLLM's NIXL worker ({found.distribution if found else 'vllm'}=="
+            f"{found.version if found else '?'}) has no '{name}', which the registration audit "
+            "reads to learn which bytes vLLM will transfer for a block"
+        ) from None
+
+
+def local_block_descriptors(worker: Any, logical_block_ids: list[list[int]]) -> Any:
+    """(address, length) rows of the local NIXL descriptors vLLM's worker uses for these
+    logical blocks (one list per KV-cache group), computed the way its read path does:
+    logical -> kernel block ids (``_logical_to_kernel_block_ids``, which takes the ratio as
+    an argument from 0.30), then ``_compute_desc_ids`` (region arguments from 0.32; from 0.34
+    the region/group ``pairs`` it reads, here vLLM's own ``_pair_regions`` of this engine
+    with its own advertised metadata, as with a peer of the same layout) into the table
+    ``src_blocks_data`` built at registration (rows of (address, length, device); from 0.34
+    strided rows of (address, length, device, stride, count)). Raises
+    :class:`DescriptorFactMissing` naming what this release lacks."""
+    import numpy as np
+
+    ratio = int(_worker_fact(worker, "_physical_blocks_per_logical_kv_block"))
+    to_kernel = _worker_fact(worker, "_logical_to_kernel_block_ids")
+    if "ratio" in inspect.signature(to_kernel).parameters:
+        kernel_ids = to_kernel(logical_block_ids, ratio)
+    else:
+        kernel_ids = to_kernel(logical_block_ids)
+    compute = _worker_fact(worker, "_compute_desc_ids")
+    parameters = inspect.signature(compute).parameters
+    engine_id = _worker_fact(worker, "engine_id")
+    arguments: dict[str, Any] = {
+        "block_ids": kernel_ids,
+        "dst_num_blocks": _worker_fact(worker, "dst_num_blocks")[engine_id],
+        "block_size_ratio": None,
+        "physical_blocks_per_logical": ratio,
+    }
+    if "region_num_blocks" in parameters:
+        arguments["region_num_blocks"] = (
+            _worker_fact(worker, "dst_region_num_blocks").get(engine_id) or None
+        )
+    if "pairs" in parameters:
+        pairs = _self_pairs(worker)
+        arguments["pairs"] = (pairs.local, pairs.group)
+    else:
+        if "region_group_ids" in parameters:
+            arguments["region_group_ids"] = _worker_fact(worker, "region_group_ids") or None
+        if "uses_region_group_mapping" in parameters:
+            arguments["uses_region_group_mapping"] = _worker_fact(
+                worker, "_uses_region_group_mapping"
+            )
+    unknown = [name for name in arguments if name not in parameters]
+    required = [
+        name
+        for name, parameter in parameters.items()
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+        and parameter.kind is not inspect.Parameter.VAR_POSITIONAL
+        and name not in arguments
+    ]
+    if unknown or required:
+        raise DescriptorFactMissing(
+            "vLLM's NIXL worker's _compute_desc_ids takes "
+            f"({', '.join(parameters)}): the registration audit knows no "
+            f"{', '.join(required) or '-'} and passes {', '.join(unknown) or '-'} it "
+            "does not take"
+        )
+    ids = np.asarray(compute(**arguments), dtype=np.int64)
+    return _descriptor_rows(np.asarray(_worker_fact(worker, "src_blocks_data")), ids)
+
+
+def _self_pairs(worker: Any) -> Any:
+    """vLLM 0.34+: how this engine's regions pair with a peer of the same layout."""
+    import msgspec
+
+    metadata_module = importlib.import_module(f"{NIXL_PACKAGE}.metadata")
+    payload = _worker_fact(worker, "xfer_handshake_metadata")
+    own = msgspec.msgpack.decode(
+        payload.agent_metadata_bytes, type=metadata_module.NixlAgentMetadata
+    )
+    return _worker_fact(worker, "_pair_regions")(own)
+
+
+def _descriptor_rows(table: Any, ids: Any) -> Any:
+    """(address, length) of descriptors ``ids`` in a table of plain rows (address, length,
+    device) or of strided rows (address, length, device, stride, count)."""
+    import numpy as np
+
+    table = table.astype(np.uint64, copy=False)
+    if table.ndim != 2 or table.shape[1] not in (3, 5):
+        raise DescriptorFactMissing(
+            f"vLLM's NIXL worker's src_blocks_data has shape {table.shape}, neither rows of "
+            "(address, length, device) nor strided rows of (address, length, device, stride, "
+            "count)"
+        )
+    if table.shape[1] == 3:
+        return table[ids][:, :2]
+    counts = table[:, 4].astype(np.int64)
+    starts = np.cumsum(counts) - counts
+    rows = np.searchsorted(starts, ids, side="right") - 1
+    offsets = (ids - starts[rows]).astype(np.uint64)
+    addresses = table[rows, 0] + offsets * table[rows, 3]
+    return np.stack([addresses, table[rows, 1]], axis=1)

@@ -36,6 +36,17 @@ def representative_spec(spec: Any) -> Any:
     return spec
 
 
+def state_bytes(spec: Any) -> int:
+    """Bytes of a Mamba spec's state tensors (its page without padding); 0 when unknown."""
+    total = 0
+    for shape, dtype in zip(getattr(spec, "shapes", ()), getattr(spec, "dtypes", ()), strict=False):
+        count = 1
+        for size in shape:
+            count *= int(size)
+        total += count * int(getattr(dtype, "itemsize", 0))
+    return total
+
+
 def mamba_state(spec: Any) -> str:
     """What a Mamba group's state is made of: its kind, and each state tensor's shape and
     dtype (the conv-state layout shows in the shapes)."""

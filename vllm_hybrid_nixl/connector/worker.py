@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from vllm_hybrid_nixl.connector import compat, thread_priority
-from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind
+from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind, state_bytes
 from vllm_hybrid_nixl.connector.lease import LeaseReaderMixin
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY, paced_agents
+from vllm_hybrid_nixl.connector.registration_audit import AuditSummary, audit_registration
 from vllm_hybrid_nixl.connector.thread_care import ProgressThreadCare
 from vllm_hybrid_nixl.protocol.fingerprint import (
     LayoutFingerprint,
@@ -101,7 +102,7 @@ def describe_layers(
     specs = _layer_specs_and_groups(kv_cache_config)
     _require_specs_or_shared(kv_caches, specs)
     # Groups share one spec object; classify each spec once (256-layer models add up).
-    spec_facts: dict[int, tuple[str, str, int]] = {}
+    spec_facts: dict[int, tuple[str, str, int, int]] = {}
     num_blocks = int(kv_cache_config.num_blocks)
     layers = []
     for name, cache in kv_caches.items():
@@ -110,9 +111,11 @@ def describe_layers(
         spec, group_id = specs[name]
         facts = spec_facts.get(id(spec))
         if facts is None:
-            facts = (spec_kind(spec), type(spec).__name__, int(spec.page_size_bytes))
+            kind = spec_kind(spec)
+            state = state_bytes(spec) if kind == MAMBA_KIND else 0
+            facts = (kind, type(spec).__name__, int(spec.page_size_bytes), state)
             spec_facts[id(spec)] = facts
-        kind, spec_type, page_size = facts
+        kind, spec_type, page_size, state = facts
         storage = cache.untyped_storage()
         layers.append(
             LayerDescription(
@@ -130,6 +133,7 @@ def describe_layers(
                 data_ptr=cache.data_ptr(),
                 storage_ptr=storage.data_ptr(),
                 storage_nbytes=storage.nbytes(),
+                state_bytes=state,
             )
         )
     return layers
@@ -268,7 +272,37 @@ class HybridRegistrationMixin:
         finally:
             if care is not None:
                 care.after_registration()
+        self._audit_registration()
         self._install_fingerprint()
+
+    #: What the registration audit verified, and the seconds it took.
+    audit_summary: AuditSummary | None = None
+    audit_seconds: float = 0.0
+
+    def _audit_registration(self) -> None:
+        """Refuse the engine unless vLLM's descriptors are the bytes the check assigned
+        (:mod:`~vllm_hybrid_nixl.connector.registration_audit`); say what was verified, and
+        warn once on a vLLM newer than the newest tested release."""
+        started = time.perf_counter()
+        self.audit_summary = audit_registration(self, self.validated_layers)
+        self.audit_seconds = time.perf_counter() - started
+        installed = compat.installed_vllm()
+        if installed is not None and compat.newer_than_tested(installed):
+            logger.warning(
+                "vllm-hybrid-nixl: %s==%s is newer than the newest tested release (%s); its "
+                "NIXL registration was audited and matches the validated layout (%s). Report "
+                "problems with this release to vllm-hybrid-nixl.",
+                installed.distribution,
+                installed.version,
+                compat.NEWEST_TESTED,
+                self.audit_summary.text(),
+            )
+        else:
+            logger.info(
+                "vllm-hybrid-nixl: registration audit passed in %.2f ms (%s)",
+                self.audit_seconds * 1e3,
+                self.audit_summary.text(),
+            )
 
     def _refuse_strides_vllm_ignores(self) -> None:
         """Blocks further apart than a page (block-outermost packing of several layers) are

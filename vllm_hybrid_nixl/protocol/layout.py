@@ -65,6 +65,8 @@ class LayerDescription:
     data_ptr: int
     storage_ptr: int
     storage_nbytes: int
+    #: Mamba: bytes of state at the start of each page (the rest is HMA padding); 0 = the page
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""After vLLM registers the KV caches, check what its descriptors will actually move.
+
+For every KV-cache (transfer) group and a spread of logical blocks (the first, the last
+and some between), the (address, length) descriptors vLLM's own NIXL worker computes for
+that block must cover exactly the bytes the layout check assigned to the block in every
+layer of the group: nothing missing, nothing of another block or layer. Any difference
+refuses the engine at start-up, naming the layer, group and block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.protocol.block_bytes import (
+    ByteRange,
+    block_ranges,
+    describe_difference,
+    merge_ranges,
+)
+from vllm_hybrid_nixl.protocol.layout import HybridLayoutError, ValidatedLayer
+
+logger = logging.getLogger("vllm.hybrid_nixl.audit")
+
+#: Logical blocks checked per group besides the first and the last.
+SPREAD = 6
+
+
+class RegistrationAuditError(HybridLayoutError):
+    """vLLM's descriptors for a block are not the bytes the layout check assigned to it."""
+
+
+@dataclass(frozen=True)
+class AuditSummary:
+    """What the audit verified: groups, blocks per group and descriptors compared."""
+
+    groups: int
+    blocks: tuple[int, ...]
+    descriptors: int
+
+    def text(self) -> str:
+        return (
+            f"{self.descriptors} NIXL descriptors of {self.groups} KV-cache groups, logical "
+            f"blocks {', '.join(str(b) for b in self.blocks)}"
+        )
+
+
+def sample_blocks(num_blocks: int) -> tuple[int, ...]:
+    """The first and last logical block and :data:`SPREAD` evenly spread between them."""
+    picks = {0, num_blocks - 1}
+    picks.update(num_blocks * step // (SPREAD + 1) for step in range(1, SPREAD + 1))
+    return tuple(sorted(block for block in picks if 0 <= block < num_blocks))
+
+
+def audit_registration(worker: Any, validated: list[ValidatedLayer]) -> AuditSummary:
+    """Compare vLLM's descriptors with the validated layout; raise on the first difference.
+
+    Raises :class:`RegistrationAuditError` on a difference, and also when this release's
+    worker lacks a fact the audit reads (nothing verified is nothing to trust).
+    """
+    by_group: dict[int, list[ValidatedLayer]] = {}
+    for item in validated:
+        by_group.setdefault(item.layer.group_id, []).append(item)
+    if not by_group:
+        return AuditSummary(0, (), 0)
+    num_groups = 1 + max(by_group)
+    num_blocks = validated[0].layer.num_blocks
+    blocks = sample_blocks(num_blocks)
+    compared = 0
+    for group_id in sorted(by_group):
+        members = by_group[group_id]
+        for block in blocks:
+            request = [[block] if g == group_id else [] for g in range(num_groups)]
+            try:
+                rows = compat.local_block_descriptors(worker, request)
+            except compat.DescriptorFactMissing as exc:
+                raise RegistrationAuditError(_missing_message(exc)) from exc
+            compared += len(rows)
+            registered = merge_ranges((int(a), int(a) + int(n)) for a, n in rows)
+            expected = merge_ranges(r for item in members for r in block_ranges(item, block))
+            if registered != expected:
+                raise RegistrationAuditError(
+                    _mismatch_message(members, group_id, block, expected, registered)
+                )
+    return AuditSummary(len(by_group), blocks, compared)
+
+
+def _owner(members: list[ValidatedLayer], point: int, block: int) -> str:
+    """The layer whose block ``block`` holds byte ``point`` (the group's first otherwise)."""
+    for item in members:
+        if any(start <= point < end for start, end in block_ranges(item, block)):
+            return item.layer.name
+    return members[0].layer.name
+
+
+def _mismatch_message(
+    members: list[ValidatedLayer],
+    group_id: int,
+    block: int,
+    expected: list[ByteRange],
+    registered: list[ByteRange],
+) -> str:
+    differing = [want for want, got in zip(expected, registered, strict=False) if want != got]
+    point = (differing or expected or registered or [(0, 0)])[0][0]
+    layer = _owner(members, point, block)
+    spec = members[0].layer.spec_type
+    found = compat.installed_vllm()
+    release = f"{found.distribution}=={found.version}" if found else "vLLM"
+    return (
+        f"registration audit: for logical block {block} of KV-cache group {group_id} "
+        f"({spec}), layer '{layer}', the NIXL descriptors {release} computed are not the "
+        f"bytes of that block ({describe_difference(expected, registered)}; "
+        f"{sum(e - s for s, e in expected)} bytes expected, "
+        f"{sum(e - s for s, e in registered)} bytes registered). A read of this block would "
+        "move other bytes (wrong tokens, silently). What to change: run a tested vLLM "
+        f"release ({compat.tested_releases_text()}), and report this model, its KV-cache "
+        "layout and vLLM release to vllm-hybrid-nixl."
+    )
+
+
+def _missing_message(exc: Exception) -> str:
+    return (
+        f"registration audit: {exc}. Without it nothing shows which bytes NIXL moves for a "
+        "block, so this engine is refused. What to change: run a tested vLLM release "
+        f"({compat.tested_releases_text()}) or a vllm-hybrid-nixl release made for yours."
+    )
