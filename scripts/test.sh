@@ -7,4 +7,8 @@ bash scripts/install.sh --test
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check vllm_hybrid_nixl tests bench scripts
 .venv/bin/hadolint Dockerfile Dockerfile.cpu
+# The docs site: broken links, missing pages and pages outside the nav fail.
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 .venv/bin/python -m pytest "$@"

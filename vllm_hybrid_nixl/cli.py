@@ -273,13 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", help="YAML config (configs/ray/*.yaml); flags override it")
     serve.add_argument("--model", help="model directory or id")
-    serve.add_argument("--num-prefill", type=int)
-    serve.add_argument("--num-decode", type=int)
-    serve.add_argument("--dtype")
-    serve.add_argument("--block-size", type=int)
+    serve.add_argument("--num-prefill", type=int, help="prefill engines (config default: 1)")
+    serve.add_argument("--num-decode", type=int, help="decode engines (config default: 1)")
+    serve.add_argument("--dtype", help="model dtype for every engine (vLLM's --dtype)")
+    serve.add_argument(
+        "--block-size", type=int, help="KV-cache block size, the same on every engine"
+    )
     serve.add_argument("--connector", help="HybridNixlConnector (the default and only choice)")
-    serve.add_argument("--router-host")
-    serve.add_argument("--router-port", type=int)
+    serve.add_argument("--router-host", help="address the router binds (config default: 127.0.0.1)")
+    serve.add_argument("--router-port", type=int, help="router port (config default: 8000)")
     serve.add_argument(
         "--router-kind",
         choices=["vllm-hybrid-nixl", "vllm-router"],
@@ -291,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--overwrite", action="store_true", help="write logs into a non-empty --log-dir"
     )
-    serve.add_argument("engine_args", nargs=argparse.REMAINDER)
+    serve.add_argument(
+        "engine_args", nargs=argparse.REMAINDER, help="after `--`: more `vllm serve` flags"
+    )
 
     router = sub.add_parser("router", help="run only the router in front of running engines")
     router.add_argument("--prefill", action="append", required=True, help="prefill engine URL")
@@ -308,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)"
     )
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--port", type=int, default=8000, help="port to bind")
     router.add_argument(
         "--api-key",
         help="key clients must send as `Authorization: Bearer KEY` (prefer the "
@@ -349,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "colocated engine",
     )
     demo.add_argument("--model", help="model directory (default: build a tiny hybrid model)")
-    demo.add_argument("--block-size", type=int, default=64)
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--block-size", type=int, default=64, help="KV-cache block size")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
     demo.add_argument("--log-dir", help="new or empty directory for the engine logs")
     demo.add_argument(
         "--overwrite", action="store_true", help="write logs into a non-empty --log-dir"
@@ -367,15 +371,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight model locally")
     defaults = TinyModelSpec()
-    tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch)
+    tiny.add_argument("--arch", choices=ARCHES, default=defaults.arch, help="model family")
     tiny.add_argument("--out", required=True, help="new or empty directory to write")
     tiny.add_argument(
         "--overwrite", action="store_true", help="replace the contents of a non-empty --out"
     )
-    tiny.add_argument("--layers", type=int, default=defaults.layers)
-    tiny.add_argument("--hidden", type=int, default=defaults.hidden)
-    tiny.add_argument("--sliding-window", type=int, default=defaults.sliding_window)
-    tiny.add_argument("--seed", type=int, default=defaults.seed)
+    tiny.add_argument("--layers", type=int, default=defaults.layers, help="decoder layers")
+    tiny.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size")
+    tiny.add_argument(
+        "--sliding-window",
+        type=int,
+        default=defaults.sliding_window,
+        help="sliding-window size of the windowed layers (tokens)",
+    )
+    tiny.add_argument("--seed", type=int, default=defaults.seed, help="seed of the weights")
     return parser
 
 

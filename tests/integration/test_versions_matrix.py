@@ -1,7 +1,8 @@
-"""README's version-matrix table stays true to the suite: it names exactly the files the matrix
-runs (scripts/matrix-tests.txt), each with as many tests per release as the suite has now, and
-one column per release in ``compat.TESTED_RELEASES``. Adding, removing or renaming a
-version-sensitive test without rerunning ``make test-matrix`` fails here."""
+"""The docs' version-matrix table (docs/versions.md) stays true to the suite: it names
+exactly the files the matrix runs (scripts/matrix-tests.txt), each with as many tests per
+release as the suite has now, and one column per release in ``compat.TESTED_RELEASES``.
+Adding, removing or renaming a version-sensitive test without rerunning ``make test-matrix``
+fails here."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def matrix_paths() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-def readme_table() -> tuple[list[str], dict[str, list[int]]]:
-    """(releases, test file -> test count per release) as README states them."""
-    text = (ROOT / "README.md").read_text()
+def docs_table() -> tuple[list[str], dict[str, list[int]]]:
+    """(releases, test file -> test count per release) as docs/versions.md states them."""
+    text = (ROOT / "docs" / "versions.md").read_text()
     section = text.split(START, 1)[1].split(END, 1)[0]
     rows = [row.strip().strip("|").split("|") for row in section.strip().splitlines()]
     releases = [cell.strip().removeprefix("vLLM ") for cell in rows[0][1:]]
@@ -35,7 +36,7 @@ def readme_table() -> tuple[list[str], dict[str, list[int]]]:
         per_release = []
         for cell in row[1:]:
             match = CELL.fullmatch(cell.strip())
-            assert match, f"README matrix cell {cell!r} of {name} has an unknown form"
+            assert match, f"docs matrix cell {cell!r} of {name} has an unknown form"
             passed, skipped, of_total = match.groups()
             if of_total:
                 per_release.append(int(of_total))
@@ -59,18 +60,18 @@ def collected_counts(paths: list[str]) -> Counter[str]:
 
 
 def test_the_matrix_table_names_the_tested_releases() -> None:
-    releases, _ = readme_table()
+    releases, _ = docs_table()
     assert releases == list(compat.TESTED_RELEASES), (
-        f"README's matrix columns are {releases}, compat.TESTED_RELEASES is "
+        f"The docs' matrix columns are {releases}, compat.TESTED_RELEASES is "
         f"{compat.TESTED_RELEASES}: run `make test-matrix` on those releases"
     )
 
 
 def test_the_matrix_table_counts_every_test_the_matrix_runs() -> None:
-    _, table = readme_table()
+    _, table = docs_table()
     collected = collected_counts(matrix_paths())
     assert set(table) == set(collected), (
-        "README's matrix table is stale: files only in the table "
+        "The docs' matrix table is stale: files only in the table "
         f"{sorted(set(table) - set(collected))}, only in the suite "
         f"{sorted(set(collected) - set(table))}; run `make test-matrix`"
     )
@@ -80,6 +81,6 @@ def test_the_matrix_table_counts_every_test_the_matrix_runs() -> None:
         if any(count != collected[name] for count in counts)
     }
     assert not stale, (
-        "README's matrix table is stale (file: (tests per release in the table, tests now)): "
+        "The docs' matrix table is stale (file: (tests per release in the table, tests now)): "
         f"{stale}; run `make test-matrix`"
     )

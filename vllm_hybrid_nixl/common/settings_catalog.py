@@ -1,0 +1,110 @@
+"""Every ``kv_connector_extra_config`` key and environment variable the package reads or sets.
+
+The one declaration the configuration reference (``docs/reference/configuration.md``) is
+generated from; ``tests/unit/test_reference_docs.py`` fails when the code reads or sets a key
+that is not declared here, or when a key declared here is no longer used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    used_by: str  # who reads or sets it
+    meaning: str
+
+
+EXTRA_CONFIG_KEYS = (
+    Setting(
+        "allow_stock_peer",
+        "our worker (default `false`)",
+        "accept a stock `NixlConnector` peer, whose layout cannot be verified",
+    ),
+    Setting(
+        "kv_lease_duration",
+        "vLLM and our lease table (prefill engine; default 30)",
+        "seconds a finished request's blocks wait for a decode engine to pin them",
+    ),
+    Setting(
+        "kv_pin_duration",
+        "our lease table (prefill; default `max(lease, 30)`)",
+        "seconds a pinned request's blocks wait for the read to complete",
+    ),
+    Setting(
+        "lease_port",
+        "our prefill engine (default: the side-channel port + 1000; 0: a free port)",
+        "port of the lease service, on the side-channel host; the data-parallel rank is added",
+    ),
+    Setting(
+        "lease_check_timeout",
+        "our decode engine (default 2)",
+        "seconds to wait for a prefill engine's answer to a pin",
+    ),
+    Setting("lease_guard", "both engines (default `true`)", "`false` turns the lease guard off"),
+    Setting(
+        "progress_poll_us",
+        "our worker (default `0`; `1000` recommended on vLLM's CPU platform)",
+        "NIXL's progress thread waits for transport events, at most this long, instead of "
+        "busy-polling a core; `0` keeps NIXL's spinning thread",
+    ),
+    Setting(
+        "idle_progress_thread",
+        "our worker (default `true` on vLLM's CPU platform when the progress thread spins)",
+        "run a spinning NIXL progress thread at idle priority",
+    ),
+)
+
+ENVIRONMENT = (
+    Setting("VLLM_HYBRID_NIXL_API_KEY", "router (read)", "key clients must send (Bearer)"),
+    Setting(
+        "VLLM_HYBRID_NIXL_ENGINE_API_KEY",
+        "router, Ray launcher (read)",
+        "key the engines require; the launcher sets it as each engine's `VLLM_API_KEY`",
+    ),
+    Setting("VLLM_API_KEY", "set for engines by the Ray launcher", "vLLM's own engine key"),
+    Setting(
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "set by our launchers and the container entry point",
+        "where an engine's NIXL side channel listens (the node's or container's address)",
+    ),
+    Setting(
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "set by our launchers (a free port)",
+        "the side channel's port; the lease service listens 1000 above it",
+    ),
+    Setting(
+        "VLLM_CPU_KVCACHE_SPACE",
+        "set (default 1 GiB) for CPU engines we start",
+        "vLLM's CPU KV-cache size",
+    ),
+    Setting(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "set per CPU engine by our launchers (`placement.engine_cores`)",
+        "the cores each engine computes on (its processes are confined to them too)",
+    ),
+    Setting(
+        "UCX_NET_DEVICES",
+        "set to `lo` for engines bound to a loopback address",
+        "keep NIXL's transport on loopback",
+    ),
+    Setting(
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+        "set to 75 for engines our launchers and the container start (unless set)",
+        "idle engine connections outlast the router's pool",
+    ),
+    Setting("HF_HUB_OFFLINE", "set to 1 by the demo", "no model downloads"),
+    Setting(
+        "VLLM_TARGET_DEVICE",
+        "set to `cpu` by our launcher when only vLLM's CPU build is installed",
+        "steers vLLM's platform detection",
+    ),
+    Setting("VLLM_LOGGING_LEVEL", "set to `WARNING` by `check` (unless set)", "quiet start-up"),
+    Setting(
+        "VLLM_SSM_CONV_STATE_LAYOUT",
+        "read by `check`; set to `DS` for Mamba engines by our launchers",
+        "Mamba state moves over NIXL only in the `DS` layout",
+    ),
+)
