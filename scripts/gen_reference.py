@@ -28,9 +28,14 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
         if action.metavar and action.option_strings:
             names += f" `{action.metavar}`"
         default = action.default
-        shown = "" if default in (None, argparse.SUPPRESS, False) else f"`{default}`"
-        help_text = (action.help or "").replace("%(default)s", str(default))
-        rows.append(f"| {names} | {_cell(shown)} | {_cell(help_text)} |")
+        meaning = (action.help or "").replace("%(default)s", str(default))
+        if action.choices:
+            meaning += " (one of " + ", ".join(f"`{c}`" for c in action.choices) + ")"
+        if default not in (None, argparse.SUPPRESS, False, "") and "default" not in meaning:
+            meaning += f" (default: `{default}`)"
+        if action.required and action.nargs != argparse.REMAINDER:
+            meaning += " (required)"
+        rows.append(f"| {names} | {_cell(meaning)} |")
     return rows
 
 
@@ -48,10 +53,13 @@ def cli_reference() -> str:
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {choice.dest: choice.help for choice in subparsers._choices_actions}
     for name, sub in subparsers.choices.items():
-        lines += [f"## `vllm-hybrid-nixl {name}`", "", _cell(helps.get(name) or ""), ""]
+        summary = _cell(helps.get(name) or "")
+        lines += [f"## `vllm-hybrid-nixl {name}`", "", summary[:1].upper() + summary[1:] + ".", ""]
+        if sub.description:
+            lines += [_cell(sub.description), ""]
         rows = _option_rows(sub)
         if rows:
-            lines += ["| option | default | meaning |", "|---|---|---|", *rows, ""]
+            lines += ["| option | meaning |", "|---|---|", *rows, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
