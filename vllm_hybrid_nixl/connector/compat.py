@@ -288,7 +288,7 @@ def handshake_takes_pp_rank() -> bool:
 
 
 def extend_stock_lease(connector_scheduler: Any, seconds: float) -> bool:
-    """Give vLLM's own send-side lease ``seconds`` (0.24-0.33 keep it on the scheduler as
+    """Give vLLM's own send-side lease ``seconds`` (0.24-0.34 keep it on the scheduler as
     ``_kv_lease_duration``) so that the lease guard's table, not vLLM's worker, decides when
     a finished request's blocks are freed. Returns whether this release has that lease."""
     if not hasattr(connector_scheduler, "_kv_lease_duration"):
