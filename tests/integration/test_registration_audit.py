@@ -167,3 +167,40 @@ def test_a_release_whose_descriptor_facts_are_missing_is_refused_by_name(
             worker.register_kv_caches(caches.views)
     finally:
         worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def padded_setup(tmp_path_factory) -> Iterator[harness.ModelSetup]:
+    """A Gemma-3-like model of 5 layers (3 sliding, 2 full): vLLM gives its KV-cache groups
+    equal layer counts, so one sliding group has a layer slot it does not fill."""
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("gemma3-5"), TinyModelSpec("gemma3", layers=5))
+    with harness.model_setup(str(model)) as model_setup:
+        yield model_setup
+
+
+def test_a_group_padded_to_the_others_layer_count_is_audited_and_registers(
+    padded_setup: harness.ModelSetup,
+) -> None:
+    """Gemma 3's real layer counts (26 = 22 sliding + 4 full) leave such gaps too. vLLM's
+    descriptors for a block of the short group also cover the slot it has no layer in; the
+    audit accepts bytes of that block in another layer, and still needs every byte of the
+    group's own layers."""
+    from vllm_hybrid_nixl.connector import compat
+
+    groups = padded_setup.kv_cache_config.kv_cache_groups
+    sizes = sorted(len(group.layer_names) for group in groups)
+    assert len(groups) == 3 and sizes[0] < sizes[-1], sizes
+    worker = make_worker(padded_setup, 1)
+    try:
+        caches = harness.allocate_caches(padded_setup.kv_cache_config, "logical", 1, seed=7)
+        worker.register_kv_caches(caches.views)
+        assert worker.audit_summary.groups == 3
+        # What vLLM reads for block 1 of each group, against that group's own layers' bytes.
+        query = compat.block_descriptor_query(worker)
+        layers_of = {g: len(group.layer_names) for g, group in enumerate(groups)}
+        read = {g: len(query([[1] if i == g else [] for i in range(3)])) for g in layers_of}
+        assert all(read[g] >= layers_of[g] for g in layers_of), (read, layers_of)
+    finally:
+        worker.shutdown()

@@ -347,55 +347,50 @@ def _worker_fact(worker: Any, name: str) -> Any:
         ) from None
 
 
-def local_block_descriptors(worker: Any, logical_block_ids: list[list[int]]) -> Any:
-    """(address, length) rows of the local NIXL descriptors vLLM's worker uses for these
-    logical blocks (one list per KV-cache group), computed the way its read path does:
-    logical -> kernel block ids (``_logical_to_kernel_block_ids``, which takes the ratio as
-    an argument from 0.30), then ``_compute_desc_ids`` (region arguments from 0.32; from 0.34
-    the region/group ``pairs`` it reads, here vLLM's own ``_pair_regions`` of this engine
-    with its own advertised metadata, as with a peer of the same layout) into the table
-    ``src_blocks_data`` built at registration (rows of (address, length, device); from 0.34
-    strided rows of (address, length, device, stride, count)). Raises
-    :class:`DescriptorFactMissing` naming what this release lacks."""
+def block_descriptor_query(worker: Any) -> Any:
+    """A function from logical block ids (one list per KV-cache group) to the (address,
+    length) rows of the local NIXL descriptors vLLM's worker uses for them, computed the way
+    its read path does: logical -> kernel block ids (``_logical_to_kernel_block_ids``, which
+    takes the ratio as an argument from 0.30), then ``_compute_desc_ids`` (region arguments
+    from 0.32; from 0.34 the region/group ``pairs``, here vLLM's own ``_pair_regions`` of this
+    engine with its own advertised metadata, as with a peer of the same layout) into the
+    table ``src_blocks_data`` built at registration (rows of (address, length, device); from
+    0.34 strided rows of (address, length, device, stride, count)). What does not change
+    between blocks is read once. Raises :class:`DescriptorFactMissing` naming what this
+    release lacks."""
     import numpy as np
 
     ratio = int(_worker_fact(worker, "_physical_blocks_per_logical_kv_block"))
     to_kernel = _worker_fact(worker, "_logical_to_kernel_block_ids")
-    if "ratio" in inspect.signature(to_kernel).parameters:
-        kernel_ids = to_kernel(logical_block_ids, ratio)
-    else:
-        kernel_ids = to_kernel(logical_block_ids)
+    kernel_takes_ratio = "ratio" in inspect.signature(to_kernel).parameters
     compute = _worker_fact(worker, "_compute_desc_ids")
     parameters = inspect.signature(compute).parameters
     engine_id = _worker_fact(worker, "engine_id")
-    arguments: dict[str, Any] = {
-        "block_ids": kernel_ids,
+    fixed: dict[str, Any] = {
         "dst_num_blocks": _worker_fact(worker, "dst_num_blocks")[engine_id],
         "block_size_ratio": None,
         "physical_blocks_per_logical": ratio,
     }
     if "region_num_blocks" in parameters:
-        arguments["region_num_blocks"] = (
+        fixed["region_num_blocks"] = (
             _worker_fact(worker, "dst_region_num_blocks").get(engine_id) or None
         )
     if "pairs" in parameters:
         pairs = _self_pairs(worker)
-        arguments["pairs"] = (pairs.local, pairs.group)
+        fixed["pairs"] = (pairs.local, pairs.group)
     else:
         if "region_group_ids" in parameters:
-            arguments["region_group_ids"] = _worker_fact(worker, "region_group_ids") or None
+            fixed["region_group_ids"] = _worker_fact(worker, "region_group_ids") or None
         if "uses_region_group_mapping" in parameters:
-            arguments["uses_region_group_mapping"] = _worker_fact(
-                worker, "_uses_region_group_mapping"
-            )
-    unknown = [name for name in arguments if name not in parameters]
+            fixed["uses_region_group_mapping"] = _worker_fact(worker, "_uses_region_group_mapping")
+    unknown = [name for name in [*fixed, "block_ids"] if name not in parameters]
     required = [
         name
         for name, parameter in parameters.items()
         if parameter.default is inspect.Parameter.empty
-        and parameter.kind is not inspect.Parameter.VAR_KEYWORD
-        and parameter.kind is not inspect.Parameter.VAR_POSITIONAL
-        and name not in arguments
+        and parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        and name not in fixed
+        and name != "block_ids"
     ]
     if unknown or required:
         raise DescriptorFactMissing(
@@ -404,8 +399,17 @@ def local_block_descriptors(worker: Any, logical_block_ids: list[list[int]]) -> 
             f"{', '.join(required) or '-'} and passes {', '.join(unknown) or '-'} it "
             "does not take"
         )
-    ids = np.asarray(compute(**arguments), dtype=np.int64)
-    return _descriptor_rows(np.asarray(_worker_fact(worker, "src_blocks_data")), ids)
+    table = _descriptor_table(np.asarray(_worker_fact(worker, "src_blocks_data")))
+
+    def rows(logical_block_ids: list[list[int]]) -> Any:
+        if kernel_takes_ratio:
+            kernel_ids = to_kernel(logical_block_ids, ratio)
+        else:
+            kernel_ids = to_kernel(logical_block_ids)
+        ids = np.asarray(compute(block_ids=kernel_ids, **fixed), dtype=np.int64)
+        return table(ids)
+
+    return rows
 
 
 def _self_pairs(worker: Any) -> Any:
@@ -420,9 +424,10 @@ def _self_pairs(worker: Any) -> Any:
     return _worker_fact(worker, "_pair_regions")(own)
 
 
-def _descriptor_rows(table: Any, ids: Any) -> Any:
-    """(address, length) of descriptors ``ids`` in a table of plain rows (address, length,
-    device) or of strided rows (address, length, device, stride, count)."""
+def _descriptor_table(table: Any) -> Any:
+    """A function from descriptor ids to their (address, length) rows, for a table of plain
+    rows (address, length, device) or of strided rows (address, length, device, stride,
+    count); ids outside the table raise :class:`DescriptorFactMissing`."""
     import numpy as np
 
     table = table.astype(np.uint64, copy=False)
@@ -432,11 +437,20 @@ def _descriptor_rows(table: Any, ids: Any) -> Any:
             "(address, length, device) nor strided rows of (address, length, device, stride, "
             "count)"
         )
-    if table.shape[1] == 3:
-        return table[ids][:, :2]
-    counts = table[:, 4].astype(np.int64)
+    strided = table.shape[1] == 5
+    counts = table[:, 4].astype(np.int64) if strided else np.ones(len(table), dtype=np.int64)
     starts = np.cumsum(counts) - counts
-    rows = np.searchsorted(starts, ids, side="right") - 1
-    offsets = (ids - starts[rows]).astype(np.uint64)
-    addresses = table[rows, 0] + offsets * table[rows, 3]
-    return np.stack([addresses, table[rows, 1]], axis=1)
+    total = int(counts.sum())
+
+    def lookup(ids: Any) -> Any:
+        if ids.size and (ids.min() < 0 or ids.max() >= total):
+            raise DescriptorFactMissing(
+                f"vLLM's descriptor ids reach {int(ids.max())}, past its {total} descriptors"
+            )
+        if not strided:
+            return table[ids][:, :2]
+        rows = np.searchsorted(starts, ids, side="right") - 1
+        offsets = (ids - starts[rows]).astype(np.uint64)
+        return np.stack([table[rows, 0] + offsets * table[rows, 3], table[rows, 1]], axis=1)
+
+    return lookup

@@ -2,9 +2,14 @@
 
 For every KV-cache (transfer) group and a spread of logical blocks (the first, the last
 and some between), the (address, length) descriptors vLLM's own NIXL worker computes for
-that block must cover exactly the bytes the layout check assigned to the block in every
-layer of the group: nothing missing, nothing of another block or layer. Any difference
-refuses the engine at start-up, naming the layer, group and block.
+that block must cover every byte the layout check assigned to the block in every layer of
+the group, and nothing outside block ``b`` of the registered layers (a group that vLLM padded
+to the others' layer count also reads block ``b`` of the slots it has no layer in: harmless,
+that block belongs to this group only while it is this group's). Any difference refuses the
+engine at start-up, naming the layer, group, block and bytes.
+
+Not audited: host-buffer staging (``kv_buffer_device`` cpu on a GPU), where vLLM registers
+copies of the caches rather than the caches themselves (logged as such).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.protocol.block_bytes import (
     ByteRange,
     block_ranges,
-    describe_difference,
     merge_ranges,
+    range_text,
+    subtract_ranges,
 )
 from vllm_hybrid_nixl.protocol.layout import HybridLayoutError, ValidatedLayer
 
@@ -58,7 +64,8 @@ def audit_registration(worker: Any, validated: list[ValidatedLayer]) -> AuditSum
     """Compare vLLM's descriptors with the validated layout; raise on the first difference.
 
     Raises :class:`RegistrationAuditError` on a difference, and also when this release's
-    worker lacks a fact the audit reads (nothing verified is nothing to trust).
+    worker lacks a fact the audit reads or its descriptor computation fails (nothing
+    verified is nothing to trust).
     """
     by_group: dict[int, list[ValidatedLayer]] = {}
     for item in validated:
@@ -66,24 +73,29 @@ def audit_registration(worker: Any, validated: list[ValidatedLayer]) -> AuditSum
     if not by_group:
         return AuditSummary(0, (), 0)
     num_groups = 1 + max(by_group)
-    num_blocks = validated[0].layer.num_blocks
-    blocks = sample_blocks(num_blocks)
+    blocks = sample_blocks(validated[0].layer.num_blocks)
     compared = 0
-    for group_id in sorted(by_group):
-        members = by_group[group_id]
+    try:
+        descriptors = compat.block_descriptor_query(worker)
         for block in blocks:
-            request = [[block] if g == group_id else [] for g in range(num_groups)]
-            try:
-                rows = compat.local_block_descriptors(worker, request)
-            except compat.DescriptorFactMissing as exc:
-                raise RegistrationAuditError(_missing_message(exc)) from exc
-            compared += len(rows)
-            registered = merge_ranges((int(a), int(a) + int(n)) for a, n in rows)
-            expected = merge_ranges(r for item in members for r in block_ranges(item, block))
-            if registered != expected:
-                raise RegistrationAuditError(
-                    _mismatch_message(members, group_id, block, expected, registered)
-                )
+            anywhere = merge_ranges(r for item in validated for r in block_ranges(item, block))
+            for group_id in sorted(by_group):
+                members = by_group[group_id]
+                request = [[block] if g == group_id else [] for g in range(num_groups)]
+                rows = descriptors(request)
+                compared += len(rows)
+                registered = merge_ranges((int(a), int(a) + int(n)) for a, n in rows)
+                expected = merge_ranges(r for item in members for r in block_ranges(item, block))
+                missing = subtract_ranges(expected, registered)
+                stray = subtract_ranges(registered, anywhere)
+                if missing or stray:
+                    raise RegistrationAuditError(
+                        _mismatch_message(members, group_id, block, missing, stray)
+                    )
+    except RegistrationAuditError:
+        raise
+    except Exception as exc:  # a release whose descriptor computation we cannot follow
+        raise RegistrationAuditError(_missing_message(exc)) from exc
     return AuditSummary(len(by_group), blocks, compared)
 
 
@@ -99,30 +111,35 @@ def _mismatch_message(
     members: list[ValidatedLayer],
     group_id: int,
     block: int,
-    expected: list[ByteRange],
-    registered: list[ByteRange],
+    missing: list[ByteRange],
+    stray: list[ByteRange],
 ) -> str:
-    differing = [want for want, got in zip(expected, registered, strict=False) if want != got]
-    point = (differing or expected or registered or [(0, 0)])[0][0]
-    layer = _owner(members, point, block)
+    if missing:
+        layer = _owner(members, missing[0][0], block)
+        what = f"bytes {range_text(missing[0])} of the block are in no descriptor"
+    else:
+        layer = members[0].layer.name
+        what = f"descriptor bytes {range_text(stray[0])} lie outside block {block} of every layer"
     spec = members[0].layer.spec_type
     found = compat.installed_vllm()
     release = f"{found.distribution}=={found.version}" if found else "vLLM"
     return (
         f"registration audit: for logical block {block} of KV-cache group {group_id} "
         f"({spec}), layer '{layer}', the NIXL descriptors {release} computed are not the "
-        f"bytes of that block ({describe_difference(expected, registered)}; "
-        f"{sum(e - s for s, e in expected)} bytes expected, "
-        f"{sum(e - s for s, e in registered)} bytes registered). A read of this block would "
-        "move other bytes (wrong tokens, silently). What to change: run a tested vLLM "
-        f"release ({compat.tested_releases_text()}), and report this model, its KV-cache "
-        "layout and vLLM release to vllm-hybrid-nixl."
+        f"bytes of that block: {what} ({sum(e - s for s, e in missing)} bytes missing, "
+        f"{sum(e - s for s, e in stray)} bytes elsewhere). A read of this block would move "
+        "other bytes (wrong tokens, silently). What to change: run a tested vLLM release "
+        f"({compat.tested_releases_text()}), and report this model, its KV-cache layout and "
+        "vLLM release to vllm-hybrid-nixl."
     )
 
 
 def _missing_message(exc: Exception) -> str:
+    found = compat.installed_vllm()
+    release = f"{found.distribution}=={found.version}" if found else "vLLM"
     return (
-        f"registration audit: {exc}. Without it nothing shows which bytes NIXL moves for a "
-        "block, so this engine is refused. What to change: run a tested vLLM release "
+        f"registration audit on {release}: {type(exc).__name__}: {exc}. Without it nothing "
+        "shows which bytes NIXL moves for a block, so this engine is refused. What to "
+        "change: run a tested vLLM release "
         f"({compat.tested_releases_text()}) or a vllm-hybrid-nixl release made for yours."
     )

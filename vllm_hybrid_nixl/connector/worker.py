@@ -283,6 +283,15 @@ class HybridRegistrationMixin:
         """Refuse the engine unless vLLM's descriptors are the bytes the check assigned
         (:mod:`~vllm_hybrid_nixl.connector.registration_audit`); say what was verified, and
         warn once on a vLLM newer than the newest tested release."""
+        if getattr(self, "use_host_buffer", False):
+            # vLLM registered host copies of the caches (kv_buffer_device cpu on a GPU); the
+            # audit compares descriptors with the caches' own bytes, so it has nothing to say.
+            logger.warning(
+                "vllm-hybrid-nixl: KV transfers are staged through host buffers "
+                "(kv_buffer_device=cpu on a GPU); the registration audit does not cover them, "
+                "only the layout check ran"
+            )
+            return
         started = time.perf_counter()
         self.audit_summary = audit_registration(self, self.validated_layers)
         self.audit_seconds = time.perf_counter() - started

@@ -58,18 +58,24 @@ def block_ranges(item: ValidatedLayer, block: int) -> list[ByteRange]:
     ]
 
 
-def describe_difference(expected: list[ByteRange], registered: list[ByteRange]) -> str:
-    """The first place where two merged range lists differ, for an error message."""
-    for index, (want, got) in enumerate(zip(expected, registered, strict=False)):
-        if want != got:
-            return (
-                f"range {index}: expected bytes {_text(want)}, vLLM's descriptors give {_text(got)}"
-            )
-    if len(expected) > len(registered):
-        return f"expected bytes {_text(expected[len(registered)])} are in no descriptor"
-    return f"descriptor bytes {_text(registered[len(expected)])} belong to no layer's block"
+def subtract_ranges(ranges: list[ByteRange], minus: list[ByteRange]) -> list[ByteRange]:
+    """The parts of merged ``ranges`` that no range of merged ``minus`` covers."""
+    left: list[ByteRange] = []
+    for start, end in ranges:
+        cursor = start
+        for cut_start, cut_end in minus:
+            if cut_end <= cursor or cut_start >= end:
+                continue
+            if cut_start > cursor:
+                left.append((cursor, cut_start))
+            cursor = max(cursor, cut_end)
+            if cursor >= end:
+                break
+        if cursor < end:
+            left.append((cursor, end))
+    return left
 
 
-def _text(byte_range: ByteRange) -> str:
+def range_text(byte_range: ByteRange) -> str:
     start, end = byte_range
     return f"0x{start:x}..0x{end:x} ({end - start} bytes)"
