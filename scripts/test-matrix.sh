@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the version-sensitive tests against every vLLM release of the matrix, each in its own
-# virtual environment, and regenerate the results table in README.md.
+# virtual environment, and regenerate the results table in docs/versions.md.
 #
 #   scripts/test-matrix.sh                 every release in MATRIX_RELEASES
 #   MATRIX_RELEASES="0.27.1" scripts/test-matrix.sh
@@ -39,5 +39,5 @@ for release in $RELEASES; do
   [[ " $WITHOUT_ENGINES " == *" $release "* ]] && device=(env VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES=)
   "${device[@]}" "$py" -m pytest -q -p no:cacheprovider --junitxml="$junit" $TESTS || status=1
 done
-"${PYTHON:-python3}" scripts/matrix_report.py "$out" README.md
+"${PYTHON:-python3}" scripts/matrix_report.py "$out" docs/versions.md
 exit $status
