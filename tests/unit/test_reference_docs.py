@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vllm_hybrid_nixl.common import settings_catalog
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_hybrid_nixl"

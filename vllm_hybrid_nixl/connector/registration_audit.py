@@ -78,14 +78,17 @@ def audit_registration(worker: Any, validated: list[ValidatedLayer]) -> AuditSum
     try:
         descriptors = compat.block_descriptor_query(worker)
         for block in blocks:
-            anywhere = merge_ranges(r for item in validated for r in block_ranges(item, block))
+            of_layer = {id(item): block_ranges(item, block) for item in validated}
+            anywhere = merge_ranges(r for ranges in of_layer.values() for r in ranges)
             for group_id in sorted(by_group):
                 members = by_group[group_id]
                 request = [[block] if g == group_id else [] for g in range(num_groups)]
                 rows = descriptors(request)
                 compared += len(rows)
-                registered = merge_ranges((int(a), int(a) + int(n)) for a, n in rows)
-                expected = merge_ranges(r for item in members for r in block_ranges(item, block))
+                registered = merge_ranges(
+                    zip(rows[:, 0].tolist(), (rows[:, 0] + rows[:, 1]).tolist(), strict=True)
+                )
+                expected = merge_ranges(r for item in members for r in of_layer[id(item)])
                 missing = subtract_ranges(expected, registered)
                 stray = subtract_ranges(registered, anywhere)
                 if missing or stray:

@@ -59,18 +59,20 @@ def block_ranges(item: ValidatedLayer, block: int) -> list[ByteRange]:
 
 
 def subtract_ranges(ranges: list[ByteRange], minus: list[ByteRange]) -> list[ByteRange]:
-    """The parts of merged ``ranges`` that no range of merged ``minus`` covers."""
+    """The parts of merged ``ranges`` that no range of merged ``minus`` covers (one sweep
+    over both sorted lists)."""
     left: list[ByteRange] = []
+    cut = 0
     for start, end in ranges:
-        cursor = start
-        for cut_start, cut_end in minus:
-            if cut_end <= cursor or cut_start >= end:
-                continue
+        while cut < len(minus) and minus[cut][1] <= start:
+            cut += 1
+        cursor, index = start, cut
+        while index < len(minus) and minus[index][0] < end:
+            cut_start, cut_end = minus[index]
             if cut_start > cursor:
                 left.append((cursor, cut_start))
             cursor = max(cursor, cut_end)
-            if cursor >= end:
-                break
+            index += 1
         if cursor < end:
             left.append((cursor, end))
     return left
