@@ -59,7 +59,9 @@ def ensure_model(path: str | None) -> str:
     target = Path("models/tiny-llama-hybrid")
     if not (target / "config.json").exists():
         _say(f"building a tiny random-weight hybrid model in {target} ...")
+        started = time.perf_counter()
         build_tiny_model(target)
+        _say(f"built the model in {time.perf_counter() - started:.1f}s")
     return str(target.resolve())
 
 
@@ -110,6 +112,7 @@ def run_demo(options: DemoOptions) -> int:
     _say("starting 1 prefill + 1 decode engine on Ray")
     with PDDeployment(config) as deployment:
         engines_s = time.perf_counter() - started
+        _say(f"engines and router ready in {engines_s:.0f}s; sending the prompts")
         print(f"router: {deployment.router_url}", flush=True)
         return _serve_and_compare(options, model, deployment, setup_s, engines_s)
 
