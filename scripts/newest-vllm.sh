@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 mkdir -p matrix
 tests=$(grep -v "^#" scripts/matrix-tests.txt | tr "\n" " ")
-releases() { "$PYTHON" -c "import runpy; print(' '.join(runpy.run_path('vllm_hybrid_nixl/common/releases.py')['$1']))"; }
+# shellcheck source=scripts/releases.sh
+source scripts/releases.sh
 tested=" $(releases TESTED_RELEASES) "
 without_engines=" $(releases TESTED_WITHOUT_ENGINES) "
 status=0

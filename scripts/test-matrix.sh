@@ -12,10 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The releases come from the one list (vllm_hybrid_nixl/common/releases.py).
-RELEASES=${MATRIX_RELEASES:-$("${PYTHON:-python3}" -c 'import runpy
-print(" ".join(runpy.run_path("vllm_hybrid_nixl/common/releases.py")["TESTED_RELEASES"]))')}
-WITHOUT_ENGINES=$("${PYTHON:-python3}" -c 'import runpy
-print(" ".join(runpy.run_path("vllm_hybrid_nixl/common/releases.py")["TESTED_WITHOUT_ENGINES"]))')
+# shellcheck source=scripts/releases.sh
+source scripts/releases.sh
+RELEASES=${MATRIX_RELEASES:-$(releases TESTED_RELEASES)}
+WITHOUT_ENGINES=$(releases TESTED_WITHOUT_ENGINES)
 TESTS=${MATRIX_TESTS:-$(grep -v "^#" scripts/matrix-tests.txt | tr "\n" " ")}
 out=matrix
 mkdir -p "$out"

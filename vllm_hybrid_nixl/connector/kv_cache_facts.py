@@ -8,6 +8,7 @@ fingerprint for the same settings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from vllm_hybrid_nixl.connector import compat
@@ -38,13 +39,12 @@ def representative_spec(spec: Any) -> Any:
 
 def state_bytes(spec: Any) -> int:
     """Bytes of a Mamba spec's state tensors (its page without padding); 0 when unknown."""
-    total = 0
-    for shape, dtype in zip(getattr(spec, "shapes", ()), getattr(spec, "dtypes", ()), strict=False):
-        count = 1
-        for size in shape:
-            count *= int(size)
-        total += count * int(getattr(dtype, "itemsize", 0))
-    return total
+    return sum(
+        math.prod(int(size) for size in shape) * int(getattr(dtype, "itemsize", 0))
+        for shape, dtype in zip(
+            getattr(spec, "shapes", ()), getattr(spec, "dtypes", ()), strict=False
+        )
+    )
 
 
 def mamba_state(spec: Any) -> str:

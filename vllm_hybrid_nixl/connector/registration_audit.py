@@ -14,7 +14,6 @@ copies of the caches rather than the caches themselves (logged as such).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,6 @@ from vllm_hybrid_nixl.protocol.block_bytes import (
     subtract_ranges,
 )
 from vllm_hybrid_nixl.protocol.layout import HybridLayoutError, ValidatedLayer
-
-logger = logging.getLogger("vllm.hybrid_nixl.audit")
 
 #: Logical blocks checked per group besides the first and the last.
 SPREAD = 6
@@ -124,8 +121,7 @@ def _mismatch_message(
         layer = members[0].layer.name
         what = f"descriptor bytes {range_text(stray[0])} lie outside block {block} of every layer"
     spec = members[0].layer.spec_type
-    found = compat.installed_vllm()
-    release = f"{found.distribution}=={found.version}" if found else "vLLM"
+    release = compat.installed_release_text()
     return (
         f"registration audit: for logical block {block} of KV-cache group {group_id} "
         f"({spec}), layer '{layer}', the NIXL descriptors {release} computed are not the "
@@ -138,11 +134,9 @@ def _mismatch_message(
 
 
 def _missing_message(exc: Exception) -> str:
-    found = compat.installed_vllm()
-    release = f"{found.distribution}=={found.version}" if found else "vLLM"
     return (
-        f"registration audit on {release}: {type(exc).__name__}: {exc}. Without it nothing "
-        "shows which bytes NIXL moves for a block, so this engine is refused. What to "
-        "change: run a tested vLLM release "
+        f"registration audit on {compat.installed_release_text()}: {type(exc).__name__}: "
+        f"{exc}. Without it nothing shows which bytes NIXL moves for a block, so this engine "
+        "is refused. What to change: run a tested vLLM release "
         f"({compat.tested_releases_text()}) or a vllm-hybrid-nixl release made for yours."
     )
