@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import worker_harness as harness
 from tests.harness.releases import stock_is_strict
-from tests.integration.test_worker_registration import make_worker
+from tests.integration.test_worker_registration import started_worker
 from vllm_hybrid_nixl.connector.registration_audit import RegistrationAuditError, sample_blocks
 
 pytestmark = pytest.mark.integration
@@ -57,8 +57,7 @@ def worker_log() -> Iterator[Captured]:
 def test_every_group_and_sampled_block_is_verified(
     setup: harness.ModelSetup, form: str, ratio: int, worker_log: Captured
 ) -> None:
-    worker = make_worker(setup, ratio)
-    try:
+    with started_worker(setup, ratio) as worker:
         caches = harness.allocate_caches(setup.kv_cache_config, form, ratio, seed=2)
         worker.register_kv_caches(caches.views)
         summary = worker.audit_summary
@@ -69,8 +68,6 @@ def test_every_group_and_sampled_block_is_verified(
         regions = len(set(caches.layer_regions.values()))
         assert summary.descriptors == len(summary.blocks) * 2 * regions * ratio
         assert any("registration audit passed" in r.getMessage() for r in worker_log.records)
-    finally:
-        worker.shutdown()
 
 
 def test_raw_caches_with_r_2_are_refused_where_vllm_registers_them_wrong(
@@ -86,8 +83,7 @@ def test_raw_caches_with_r_2_are_refused_where_vllm_registers_them_wrong(
     monkeypatch.setattr(
         HybridRegistrationMixin, "_as_the_base_reads_them", lambda self, caches, views: caches
     )
-    worker = make_worker(setup, 2)
-    try:
+    with started_worker(setup, 2) as worker:
         caches = harness.allocate_caches(setup.kv_cache_config, "logical", 2, seed=3)
         if stock_is_strict():
             with pytest.raises(AssertionError):
@@ -101,13 +97,10 @@ def test_raw_caches_with_r_2_are_refused_where_vllm_registers_them_wrong(
         else:
             worker.register_kv_caches(caches.views)
             assert worker.audit_summary.descriptors > 0
-    finally:
-        worker.shutdown()
 
 
 def test_a_descriptor_moved_by_one_page_is_refused_by_name(setup: harness.ModelSetup) -> None:
-    worker = make_worker(setup, 1)
-    try:
+    with started_worker(setup, 1) as worker:
         caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=4)
         worker.register_kv_caches(caches.views)
         table = np.array(worker.src_blocks_data, dtype=np.uint64)
@@ -123,8 +116,6 @@ def test_a_descriptor_moved_by_one_page_is_refused_by_name(setup: harness.ModelS
         text = str(refused.value)
         assert "for logical block 0 of KV-cache group" in text
         assert f"{page} bytes" in text and "layer 'model.layers." in text
-    finally:
-        worker.shutdown()
 
 
 def test_a_release_newer_than_tested_runs_when_the_audit_passes(
@@ -140,8 +131,7 @@ def test_a_release_newer_than_tested_runs_when_the_audit_passes(
     real = compat.installed_vllm()
     raised = compat.InstalledVllm(real.distribution, Version("9.1.0"))
     monkeypatch.setattr(compat, "installed_vllm", lambda: raised)
-    worker = make_worker(setup, 2)
-    try:
+    with started_worker(setup, 2) as worker:
         caches = harness.allocate_caches(setup.kv_cache_config, "physical", 2, seed=5)
         worker.register_kv_caches(caches.views)
         warnings = [r.getMessage() for r in worker_log.records if r.levelno == logging.WARNING]
@@ -149,8 +139,6 @@ def test_a_release_newer_than_tested_runs_when_the_audit_passes(
         assert len(newer) == 1, warnings
         assert f"({compat.NEWEST_TESTED})" in newer[0] and "==9.1.0" in newer[0]
         assert "NIXL descriptors of 2 KV-cache groups" in newer[0]
-    finally:
-        worker.shutdown()
 
 
 def test_a_release_whose_descriptor_facts_are_missing_is_refused_by_name(
@@ -160,13 +148,10 @@ def test_a_release_whose_descriptor_facts_are_missing_is_refused_by_name(
     from vllm_hybrid_nixl.connector import compat
 
     monkeypatch.delattr(compat.nixl_classes().base_worker, "_compute_desc_ids")
-    worker = make_worker(setup, 1)
-    try:
+    with started_worker(setup, 1) as worker:
         caches = harness.allocate_caches(setup.kv_cache_config, "logical", 1, seed=6)
         with pytest.raises(RegistrationAuditError, match="has no '_compute_desc_ids'"):
             worker.register_kv_caches(caches.views)
-    finally:
-        worker.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +177,7 @@ def test_a_group_padded_to_the_others_layer_count_is_audited_and_registers(
     groups = padded_setup.kv_cache_config.kv_cache_groups
     sizes = sorted(len(group.layer_names) for group in groups)
     assert len(groups) == 3 and sizes[0] < sizes[-1], sizes
-    worker = make_worker(padded_setup, 1)
-    try:
+    with started_worker(padded_setup, 1) as worker:
         caches = harness.allocate_caches(padded_setup.kv_cache_config, "logical", 1, seed=7)
         worker.register_kv_caches(caches.views)
         assert worker.audit_summary.groups == 3
@@ -202,5 +186,3 @@ def test_a_group_padded_to_the_others_layer_count_is_audited_and_registers(
         layers_of = {g: len(group.layer_names) for g, group in enumerate(groups)}
         read = {g: len(query([[1] if i == g else [] for i in range(3)])) for g in layers_of}
         assert all(read[g] >= layers_of[g] for g in layers_of), (read, layers_of)
-    finally:
-        worker.shutdown()

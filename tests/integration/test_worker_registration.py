@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -51,6 +52,18 @@ def make_worker(
             )
     assert worker._physical_blocks_per_logical_kv_block == ratio
     return worker
+
+
+@contextmanager
+def started_worker(
+    setup: harness.ModelSetup, ratio: int, cls: type | None = None, kv_cache_config=None
+) -> Iterator:
+    """:func:`make_worker`, shut down (its NIXL agent and threads) when the block ends."""
+    worker = make_worker(setup, ratio, cls, kv_cache_config)
+    try:
+        yield worker
+    finally:
+        worker.shutdown()
 
 
 def compare_blocks(src: harness.Caches, dst: harness.Caches, nb: int, chosen: list[int]):
