@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -118,3 +119,39 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
             title = f"engine log: {engine.spec.role} on :{engine.spec.port} ({engine.log_path})"
             report.sections.append((title, log_excerpt(engine)))
     return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failure's traceback is printed the moment it happens, not only in the end summary:
+    a CI run cut short by its time limit still shows why each test failed."""
+    if not report.failed:
+        return
+    text = report.longreprtext
+    if len(text) > IMMEDIATE_FAILURE_CHARS:
+        text = "...\n" + text[-IMMEDIATE_FAILURE_CHARS:]
+    sections = "\n".join(f"--- {title} ---\n{body[-2000:]}" for title, body in report.sections)
+    print(f"\n=== FAILED {report.nodeid} ({report.when}) ===\n{text}\n{sections}", flush=True)
+
+
+IMMEDIATE_FAILURE_CHARS = 6000
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[SUITE_STARTED] = time.monotonic()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """With ``VHN_SUITE_DEADLINE_S`` set (CI sets it below its own limit), the run stops
+    before the next test once that many seconds have passed, and still prints its summary."""
+    limit = os.environ.get("VHN_SUITE_DEADLINE_S")
+    if not limit:
+        return
+    elapsed = time.monotonic() - item.config.stash[SUITE_STARTED]
+    if elapsed > float(limit):
+        item.session.shouldstop = (
+            f"suite deadline: {elapsed:.0f}s > VHN_SUITE_DEADLINE_S={limit}; tests left unrun"
+        )
+        pytest.fail(item.session.shouldstop, pytrace=False)
+
+
+SUITE_STARTED = pytest.StashKey[float]()
