@@ -49,6 +49,11 @@ import zmq
 
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer, Pinner
+from vllm_hybrid_nixl.connector.read_holds import (
+    HOLDS_ATTRIBUTE,
+    ReadHolds,
+    late_read_message,
+)
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
 from vllm_hybrid_nixl.protocol.lease_wire import (
     PARAMS_KEY,
@@ -110,6 +115,7 @@ class RemoteKv:
     prompt_tokens: int | None = None  # what the prefill engine prefilled (None: not said)
     prompt_sha256: str = ""
     lease_s: float = DEFAULT_LEASE_S
+    pin_s: float | None = None  # how long a pin holds the blocks (None: an older peer)
 
     def describe(self) -> str:
         where = f" ({self.address.host})" if self.address else ""
@@ -192,6 +198,9 @@ class LeaseHolderMixin:
         self._pins: dict[str, Future[LeaseStatus]] = {}  # decode: pins under way
         self._pinned: set[str] = set()  # decode: pins that succeeded
         self._refused_reads: dict[str, str] = {}  # decode: refused pins -> their messages
+        self._pin_sent: dict[str, float] = {}  # decode: when each pin under way was asked
+        self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
+        self._reading: set[str] = set()  # decode: pinned requests whose read has started
         if getattr(self, "connector_scheduler", None) is None:
             return  # worker role
         config = vllm_config.kv_transfer_config
@@ -273,6 +282,7 @@ class LeaseHolderMixin:
         params[PARAMS_KEY] = {
             **self._lease_server.address.to_params(),
             "lease_s": table.lease_s,
+            "pin_s": table.pin_s,
             "prompt_tokens": len(prompt),
             "prompt_sha256": prompt_digest(prompt, request),
         }
@@ -292,6 +302,8 @@ class LeaseHolderMixin:
         if self._renewer is not None:
             for req_id in connector_output.finished_recving or ():
                 self._renewer.drop(req_id)  # read (or failed): the lease is no longer wanted
+                self._reading.discard(req_id)
+                self._pin_holds.pop(req_id, None)
         if self._lease_server is not None:
             finished = set(connector_output.finished_sending or ())
             released = self._lease_server.table.settle(finished)
@@ -341,6 +353,9 @@ class LeaseHolderMixin:
         self._pins.pop(req_id, None)
         self._pinned.discard(req_id)
         self._refused_reads.pop(req_id, None)
+        self._pin_sent.pop(req_id, None)
+        self._pin_holds.pop(req_id, None)
+        self._reading.discard(req_id)
         if self._renewer is not None:
             self._renewer.drop(req_id)
         for key in [k for k, owner in self._claims.items() if owner == req_id]:
@@ -387,17 +402,21 @@ class LeaseHolderMixin:
         future = self._pins.get(req_id)
         if future is None:
             reader = self._reader(req_id)
+            self._pin_sent[req_id] = time.monotonic()  # before the question: a lower bound
             self._pins[req_id] = self._pinner.submit(remote.address, remote.remote_req, reader)
             return True
         if not future.done():
             return True
         del self._pins[req_id]
+        sent = self._pin_sent.pop(req_id, None)
         try:
             status = future.result()
         except Exception as exc:  # noqa: BLE001 - the Pinner answers statuses; never trust it
             status = LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.300}")
         if status.readable:
             self._pinned.add(req_id)
+            if sent is not None and remote.pin_s is not None:
+                self._pin_holds[req_id] = sent + remote.pin_s
         else:
             self._refused_reads[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
         return False
@@ -426,14 +445,16 @@ class LeaseHolderMixin:
             return RemoteKv(remote_req, engine, None, f"its {PARAMS_KEY} value is unusable: {exc}")
         tokens, digest = lease.get("prompt_tokens"), lease.get("prompt_sha256")
         lease_s = lease.get("lease_s", DEFAULT_LEASE_S)
-        if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or lease_s < 0:
+        if not _seconds(lease_s):
             lease_s = DEFAULT_LEASE_S
+        pin_s = lease.get("pin_s")
+        pin_s = float(pin_s) if _seconds(pin_s) else None
         if tokens is None and digest is None:
-            return RemoteKv(remote_req, engine, address, lease_s=float(lease_s))
+            return RemoteKv(remote_req, engine, address, lease_s=float(lease_s), pin_s=pin_s)
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not isinstance(digest, str):
             problem = f"its {PARAMS_KEY} value has no usable prompt_tokens / prompt_sha256"
             return RemoteKv(remote_req, engine, address, problem)
-        return RemoteKv(remote_req, engine, address, "", tokens, digest, float(lease_s))
+        return RemoteKv(remote_req, engine, address, "", tokens, digest, float(lease_s), pin_s)
 
     def _tokens_to_load(self, request: Any) -> int:
         count = len(request.prompt_token_ids or ())
@@ -544,6 +565,9 @@ class LeaseHolderMixin:
         refusals, self._lease_pending = self._lease_pending, {}
         expired = self._expired_to_report()
         metadata = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        holds = self._read_holds(metadata, refusals)
+        if holds:
+            setattr(metadata, HOLDS_ATTRIBUTE, holds)
         if refusals:
             to_read = getattr(metadata, "reqs_to_recv", None)
             if isinstance(to_read, dict):
@@ -553,6 +577,23 @@ class LeaseHolderMixin:
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
         return metadata
+
+    def _read_holds(self, metadata: Any, refusals: dict[str, str]) -> dict[str, float]:
+        """Seconds each reading request's blocks stay held from now, for the worker's check
+        after the read (:mod:`.read_holds`); only requests with a known hold are checked."""
+        to_read = getattr(metadata, "reqs_to_recv", None)
+        if isinstance(to_read, dict):
+            self._reading.update(r for r in to_read if r in self._pinned and r not in refusals)
+        if not self._reading:
+            return {}
+        now = time.monotonic()
+        holds = {}
+        for req_id in self._reading:
+            renewed = self._renewer.held_until(req_id) if self._renewer is not None else None
+            known = [t for t in (self._pin_holds.get(req_id), renewed) if t is not None]
+            if known:
+                holds[req_id] = round(max(known) - now, 3)
+        return holds
 
     def _reader(self, decode_req: str) -> str:
         return f"{getattr(self, 'engine_id', '')}/{decode_req}"
@@ -593,15 +634,21 @@ class LeaseReaderMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lease_refused: set[str] = set()
         self._lease_expired: set[str] = set()
+        self._read_holds = ReadHolds()
         super().__init__(*args, **kwargs)
 
     def start_load_kv(self, metadata: Any) -> Any:
         self._lease_refused.update(getattr(metadata, REFUSALS_ATTRIBUTE, None) or ())
         self._lease_expired.update(getattr(metadata, EXPIRED_ATTRIBUTE, None) or ())
+        self._read_holds.update(getattr(metadata, HOLDS_ATTRIBUTE, None))
         return super().start_load_kv(metadata)  # type: ignore[misc]
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()  # type: ignore[misc]
+        late = self._read_holds.late_reads(results.finished_recving, results.failed_recving)
+        for req_id, late_s in late.items():
+            logger.error("%s", late_read_message(req_id, late_s))
+            results.failed_recving.add(req_id)
         if self._lease_refused:  # never read (the scheduler took them off the reads)
             results.finished_recving.update(self._lease_refused)
             results.failed_recving.update(self._lease_refused)
@@ -617,3 +664,10 @@ class LeaseReaderMixin:
             sending = set(sending) | self._lease_expired
             self._lease_expired = set()
         return sending, recving
+
+
+def _seconds(value: object) -> bool:
+    """A usable duration from a peer's lease value: a finite number, not negative."""
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < float("inf")
+    )

@@ -162,12 +162,15 @@ class LeaseRenewer:
     """A daemon thread that renews the leases of decode requests that still want their
     blocks (queued, waiting for blocks, reading), so a busy decode engine never lets a
     prefill engine release them; a renewal answered "no longer readable" is kept for the
-    scheduler (:meth:`take_lost`), which then refuses the read."""
+    scheduler (:meth:`take_lost`), which then refuses the read. Each acknowledged renewal
+    also says until when the blocks are surely held (:meth:`held_until`): the prefill
+    engine extended the lease by ``lease_s`` after the question was sent."""
 
     def __init__(self, peers: LeasePeers, timeout_s: float) -> None:
         self._peers, self._timeout_s = peers, timeout_s
         self._waiting: dict[str, tuple[LeaseAddress, str, float]] = {}
         self._lost: dict[str, LeaseStatus] = {}
+        self._held: dict[str, float] = {}
         self._in_flight: dict[LeaseAddress, Future[None]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -190,6 +193,13 @@ class LeaseRenewer:
         with self._lock:
             self._waiting.pop(decode_req, None)
             self._lost.pop(decode_req, None)
+            self._held.pop(decode_req, None)
+
+    def held_until(self, decode_req: str) -> float | None:
+        """The latest time (``time.monotonic``) until which an acknowledged renewal keeps
+        ``decode_req``'s blocks held; None before any."""
+        with self._lock:
+            return self._held.get(decode_req)
 
     def take_lost(self, decode_req: str) -> LeaseStatus | None:
         """The status that ended ``decode_req``'s lease, if a renewal found it ended."""
@@ -231,6 +241,7 @@ class LeaseRenewer:
     ) -> None:
         remote_reqs = list(readers)
         for start in range(0, len(remote_reqs), MAX_IDS):
+            sent = time.monotonic()
             try:
                 answers = client.ask(
                     address, "renew", remote_reqs[start : start + MAX_IDS], self._timeout_s
@@ -240,6 +251,11 @@ class LeaseRenewer:
                 return
             with self._lock:
                 for remote_req, status in answers.items():
+                    if status.readable and status.lease_s > 0:
+                        for decode_req in readers.get(remote_req, ()):
+                            if decode_req in self._waiting:
+                                held = sent + status.lease_s
+                                self._held[decode_req] = max(self._held.get(decode_req, 0), held)
                     if status.state in (LeaseState.RELEASED, LeaseState.UNKNOWN):
                         for decode_req in readers.get(remote_req, ()):
                             if decode_req in self._waiting:
