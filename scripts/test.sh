@@ -11,4 +11,10 @@ export HF_HUB_OFFLINE=1
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
+# What the machine is: a CI failure that does not happen elsewhere starts from these facts.
+echo "==> machine: $(nproc) cores (affinity $(awk '/Cpus_allowed_list/{print $2}' /proc/self/status)), \
+$(awk '/MemTotal/{t=$2} /MemAvailable/{a=$2} END{printf "%.0f GiB, %.0f available", t/2^20, a/2^20}' /proc/meminfo), \
+/tmp free $(df -h /tmp | awk 'NR==2{print $4}'), uid $(id -u), \
+ephemeral ports $(tr '\t' '-' < /proc/sys/net/ipv4/ip_local_port_range), cwd $PWD"
+env | grep -E '^(RAY|VLLM|PYTEST|UCX|NIXL|OMP|CUDA|HF|TMPDIR|XDG)[A-Z_]*=' | grep -vE '^[A-Z_]*(TOKEN|KEY|SECRET|PASS)[A-Z_]*=' | sed 's/^/    env: /' || true
 .venv/bin/python -m pytest "$@"
