@@ -4,10 +4,12 @@ output, exit code, and that nothing they started outlives them."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,12 +92,50 @@ def kill_session(session_id: int) -> None:
             pass
 
 
-def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    proc = start(["demo", "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
+def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The process's whole output once it exits; past ``timeout_s`` its session is killed
+    and the test fails with what it printed (not a bare timeout)."""
     try:
-        output, _ = proc.communicate(timeout=1200)
+        output, _ = proc.communicate(timeout=timeout_s)
+        return output
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        output, _ = proc.communicate(timeout=60)
+        pytest.fail(f"still running after {timeout_s:.0f} s; its output:\n{output[-6000:]}")
     finally:
         kill_session(proc.pid)
+
+
+def first_line_starting(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> list[str]:
+    """The lines the process printed up to the first that starts with ``prefix`` (or all it
+    printed before it exited or ``timeout_s`` passed); read on a thread, so a silent process
+    cannot block the test past its time."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            break
+    return seen or [""]
+
+
+def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = start(["demo", "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
+    output = finish(proc, timeout_s=600)
     assert proc.returncode == 0, output[-4000:]
     assert "RESULT: OK" in output
     assert len(re.findall(r"^prompt \d+ \(\d+ tokens\): MATCH$", output, re.M)) == 8
@@ -131,16 +171,9 @@ def test_serve_prints_router_and_stops_everything_on_sigterm(
         cwd=tmp_path,
     )
     try:
-        router = None
-        deadline = time.monotonic() + 600
-        lines = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("router: "):
-                router = line.split()[1]
-                break
-        assert router, "".join(lines)[-4000:]
+        lines = first_line_starting(proc, "router: ", timeout_s=300)
+        assert lines[-1].startswith("router: "), "".join(lines)[-4000:]
+        router = lines[-1].split()[1]
         assert httpx.get(f"{router}/health", timeout=30).json()["status"] == "ok"
         body = {"model": str(tiny_hybrid_model), "prompt": "hello there", "max_tokens": 4}
         assert httpx.post(f"{router}/v1/completions", json=body, timeout=120).status_code == 200
@@ -178,10 +211,7 @@ def test_bad_deployment_fails_fast_with_a_clear_error(
 ) -> None:
     args = [str(tiny_hybrid_model) if a == "MODEL" else a for a in args]
     proc = start(["serve", *args, "--router-port", "0"], cwd=tmp_path)
-    try:
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        kill_session(proc.pid)
+    output = finish(proc, timeout_s=180)
     assert proc.returncode == 2, output[-3000:]
     assert message in output
     assert "router: " not in output

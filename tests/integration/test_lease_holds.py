@@ -17,42 +17,101 @@ import pytest
 from tests.unit.test_router_health import Clock
 from vllm_hybrid_nixl.connector.lease import LeaseHolderMixin, RemoteKv
 from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer
-from vllm_hybrid_nixl.connector.read_holds import CLOCK_MARGIN_S, ReadHolds
+from vllm_hybrid_nixl.connector.read_holds import (
+    CROSS_HOST_MARGIN_S,
+    ReadHolds,
+    holds_payload,
+    late_read_message,
+)
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseTable
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseServer
 
 pytestmark = pytest.mark.integration
 
 
+def holds(clock: Clock, boot: str = "this-boot") -> ReadHolds:
+    return ReadHolds(clock, boot=boot)
+
+
+def payload(clock: Clock, until: dict, lost=(), boot: str = "this-boot") -> dict:
+    return {**holds_payload(until, lost, now=clock.now), "boot": boot}
+
+
 def test_a_read_completed_past_its_hold_is_late_and_one_within_it_is_not() -> None:
     clock = Clock()
-    holds = ReadHolds(clock)
-    holds.update({"early": 5.0, "late": 5.0, "failed": 1.0})
+    view = holds(clock)
+    view.update(payload(clock, {"early": clock.now + 5, "late": clock.now + 5, "failed": 0.0}))
     clock.now += 4.0
-    assert holds.late_reads({"early"}, set()) == {}
+    assert view.late_reads({"early"}, set()) == {}
     clock.now += 2.0
-    late = holds.late_reads({"late", "failed", "never-held"}, {"failed"})
-    assert late == pytest.approx({"late": 1.0 + CLOCK_MARGIN_S})
-    assert holds.late_reads({"late"}, set()) == {}  # forgotten once reported
+    assert view.late_reads({"late", "failed", "never-held"}, {"failed"}) == {"late": 1.0}
+    assert view.late_reads({"late"}, set()) == {}  # checked once
 
 
 def test_a_renewal_during_the_read_extends_its_hold() -> None:
     clock = Clock()
-    holds = ReadHolds(clock)
-    holds.update({"r": 2.0})
+    view = holds(clock)
+    view.update(payload(clock, {"r": clock.now + 2}))
     clock.now += 1.5
-    holds.update({"r": 3.0})  # the scheduler's next step: a renewal was acknowledged
+    view.update(payload(clock, {"r": clock.now + 3}))  # next step: a renewal was acknowledged
     clock.now += 2.5
-    assert holds.late_reads({"r"}, set()) == {}
+    assert view.late_reads({"r"}, set()) == {}
+
+
+def test_a_release_reported_during_the_read_fails_it_whatever_its_deadline() -> None:
+    clock = Clock()
+    view = holds(clock)
+    view.update(payload(clock, {"r": clock.now + 30}, lost=["r"]))
+    assert view.late_reads({"r"}, set()) == {"r": float("inf")}
+    assert "answered a lease renewal that the blocks were released" in late_read_message(
+        "r", float("inf")
+    )
+
+
+def test_each_payload_replaces_the_view_so_nothing_stays_behind() -> None:
+    """Under asynchronous scheduling a finished read's hold can arrive once more after the
+    worker checked it; the next payload (without it) drops it, and no payload clears all."""
+    clock = Clock()
+    view = holds(clock)
+    view.update(payload(clock, {"a": clock.now + 1, "b": clock.now + 1}))
+    view.update(payload(clock, {"b": clock.now + 1}))
+    clock.now += 5
+    assert view.late_reads({"a", "b"}, set()) == {"b": 4.0}
+    view.update(payload(clock, {"c": clock.now + 1}))
+    view.update(None)
+    clock.now += 5
+    assert view.late_reads({"c"}, set()) == {}
+
+
+def test_a_hold_from_another_host_is_converted_with_a_margin() -> None:
+    """Another boot's monotonic clock means nothing here: the deadline is taken relative to
+    the payload's build time, less the cross-host margin."""
+    scheduler, worker = Clock(), Clock()
+    worker.now = 5000.0
+    view = holds(worker, boot="worker-boot")
+    view.update(payload(scheduler, {"r": scheduler.now + 10}, boot="scheduler-boot"))
+    worker.now += 10 - CROSS_HOST_MARGIN_S - 0.1
+    assert view.late_reads({"r"}, set()) == {}
+    view.update(payload(scheduler, {"r": scheduler.now + 10}, boot="scheduler-boot"))
+    worker.now += 10 - CROSS_HOST_MARGIN_S + 0.1
+    assert view.late_reads({"r"}, set()) == {"r": pytest.approx(0.1)}
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "5", True, None, [1]])
 def test_a_hold_that_is_not_a_finite_number_is_ignored(value: object) -> None:
     clock = Clock()
-    holds = ReadHolds(clock)
-    holds.update({"r": value})
+    view = holds(clock)
+    view.update(payload(clock, {"r": value}))
     clock.now += 1000
-    assert holds.late_reads({"r"}, set()) == {}
+    assert view.late_reads({"r"}, set()) == {}
+
+
+@pytest.mark.parametrize("value", [None, [], "x", {"until": "x", "lost": "r"}, {"lost": 3}])
+def test_a_payload_of_another_shape_checks_nothing_and_never_raises(value: object) -> None:
+    clock = Clock()
+    view = holds(clock)
+    view.update(value)
+    assert view.late_reads({"r"}, set()) == {}
 
 
 def test_late_reads_become_failed_loads_in_vllms_transfer_results() -> None:
@@ -61,11 +120,11 @@ def test_late_reads_become_failed_loads_in_vllms_transfer_results() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
     clock = Clock()
-    holds = ReadHolds(clock)
-    holds.update({"a": 1.0, "b": 10.0})
+    view = holds(clock)
+    view.update(payload(clock, {"a": clock.now + 1, "b": clock.now + 10}))
     clock.now += 2.0
     results = KVConnectorTransferResults(finished_recving={"a", "b"})
-    for req_id in holds.late_reads(results.finished_recving, results.failed_recving):
+    for req_id in view.late_reads(results.finished_recving, results.failed_recving):
         results.failed_recving.add(req_id)
     assert results.failed_recving == {"a"}
     assert results.finished_recving == {"a", "b"}
@@ -107,8 +166,9 @@ def test_a_released_lease_never_extends_the_hold(service) -> None:
     table.settle({"p1"})  # read by someone, freed
     renewer = LeaseRenewer(LeasePeers(), timeout_s=2.0)
     renewer.add("d1", server.address, "p1", table.lease_s)
-    lost = wait_for(lambda: renewer.take_lost("d1"))
-    assert lost.state is LeaseState.RELEASED
+    wait_for(lambda: renewer.lost("d1"))
+    assert renewer.lost("d1")  # a peek: the scheduler still takes it
+    assert renewer.take_lost("d1").state is LeaseState.RELEASED
     assert renewer.held_until("d1") is None
 
 

@@ -23,7 +23,7 @@ def without_cap_sys_nice(command: list[str]) -> subprocess.CompletedProcess[str]
         assert shutil.which("capsh"), "capsh (Debian's libcap2-bin) is needed to drop it"
         prefix = ["capsh", "--drop=cap_sys_nice", "--", "-c", 'exec "$0" "$@"']
     return subprocess.run(
-        [*prefix, *command], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [*prefix, *command], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 

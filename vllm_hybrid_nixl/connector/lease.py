@@ -52,6 +52,7 @@ from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer
 from vllm_hybrid_nixl.connector.read_holds import (
     HOLDS_ATTRIBUTE,
     ReadHolds,
+    holds_payload,
     late_read_message,
 )
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
@@ -578,22 +579,26 @@ class LeaseHolderMixin:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
         return metadata
 
-    def _read_holds(self, metadata: Any, refusals: dict[str, str]) -> dict[str, float]:
-        """Seconds each reading request's blocks stay held from now, for the worker's check
-        after the read (:mod:`.read_holds`); only requests with a known hold are checked."""
+    def _read_holds(self, metadata: Any, refusals: dict[str, str]) -> dict[str, object]:
+        """Each reading request's hold for the worker's check after the read
+        (:mod:`.read_holds`): the latest acknowledged pin or renewal's bound, and the reads
+        a renewal found released. Requests with no known bound (an older peer that sent no
+        ``pin_s``, before its first renewal) are checked for releases only."""
         to_read = getattr(metadata, "reqs_to_recv", None)
         if isinstance(to_read, dict):
             self._reading.update(r for r in to_read if r in self._pinned and r not in refusals)
         if not self._reading:
             return {}
-        now = time.monotonic()
-        holds = {}
+        until, lost = {}, []
         for req_id in self._reading:
-            renewed = self._renewer.held_until(req_id) if self._renewer is not None else None
+            renewer = self._renewer
+            renewed = renewer.held_until(req_id) if renewer is not None else None
             known = [t for t in (self._pin_holds.get(req_id), renewed) if t is not None]
             if known:
-                holds[req_id] = round(max(known) - now, 3)
-        return holds
+                until[req_id] = max(known)
+            if renewer is not None and renewer.lost(req_id):
+                lost.append(req_id)
+        return holds_payload(until, lost)
 
     def _reader(self, decode_req: str) -> str:
         return f"{getattr(self, 'engine_id', '')}/{decode_req}"

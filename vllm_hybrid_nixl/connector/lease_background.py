@@ -195,6 +195,11 @@ class LeaseRenewer:
             self._lost.pop(decode_req, None)
             self._held.pop(decode_req, None)
 
+    def lost(self, decode_req: str) -> bool:
+        """Whether a renewal found ``decode_req``'s lease ended (kept for :meth:`take_lost`)."""
+        with self._lock:
+            return decode_req in self._lost
+
     def held_until(self, decode_req: str) -> float | None:
         """The latest time (``time.monotonic``) until which an acknowledged renewal keeps
         ``decode_req``'s blocks held; None before any."""
