@@ -16,5 +16,8 @@ echo "==> machine: $(nproc) cores (affinity $(awk '/Cpus_allowed_list/{print $2}
 $(awk '/MemTotal/{t=$2} /MemAvailable/{a=$2} END{printf "%.0f GiB, %.0f available", t/2^20, a/2^20}' /proc/meminfo), \
 /tmp free $(df -h /tmp | awk 'NR==2{print $4}'), uid $(id -u), \
 ephemeral ports $(tr '\t' '-' < /proc/sys/net/ipv4/ip_local_port_range), cwd $PWD"
+echo "    cpu: $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), \
+$(grep -c ^processor /proc/cpuinfo) online, cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo -), \
+amx: $(grep -qw amx_tile /proc/cpuinfo && echo yes || echo no)"
 env | grep -E '^(RAY|VLLM|PYTEST|UCX|NIXL|OMP|CUDA|HF|TMPDIR|XDG)[A-Z_]*=' | grep -vE '^[A-Z_]*(TOKEN|KEY|SECRET|PASS)[A-Z_]*=' | sed 's/^/    env: /' || true
 .venv/bin/python -m pytest "$@"
