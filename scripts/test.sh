@@ -18,6 +18,7 @@ $(awk '/MemTotal/{t=$2} /MemAvailable/{a=$2} END{printf "%.0f GiB, %.0f availabl
 ephemeral ports $(tr '\t' '-' < /proc/sys/net/ipv4/ip_local_port_range), cwd $PWD"
 echo "    cpu: $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), \
 $(grep -c ^processor /proc/cpuinfo) online, cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo -), \
-amx: $(grep -qw amx_tile /proc/cpuinfo && echo yes || echo no)"
+amx: $(grep -qw amx_tile /proc/cpuinfo && echo yes || echo no), \
+Ray counts $(.venv/bin/python -c 'import ray._private.utils as u; print(u.get_num_cpus())' 2>/dev/null || echo '?')"
 env | grep -E '^(RAY|VLLM|PYTEST|UCX|NIXL|OMP|CUDA|HF|TMPDIR|XDG)[A-Z_]*=' | grep -vE '^[A-Z_]*(TOKEN|KEY|SECRET|PASS)[A-Z_]*=' | sed 's/^/    env: /' || true
 .venv/bin/python -m pytest "$@"

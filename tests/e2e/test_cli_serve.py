@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.e2e
 SCRIPT = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """Run the CLI in its own session, so everything it starts can be found afterwards."""
+def start(args: list[str], cwd: Path, cores: set[int] | None = None) -> subprocess.Popen[str]:
+    """Run the CLI in its own session, so everything it starts can be found afterwards
+    (confined to ``cores`` when given, as ``taskset`` or a container's cpuset would)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [SCRIPT, *args],
@@ -32,6 +34,7 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=None if cores is None else (lambda: os.sched_setaffinity(0, cores)),
     )
 
 
@@ -86,6 +89,18 @@ def alive(pids: set[int]) -> set[int]:
 
 def kill_session(session_id: int) -> None:
     for pid in session_members(session_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[None]:
+    """Engines run in sessions of their own: after a failed test, every engine process that
+    logged under the test's ``logs`` directory is killed, so none spins on into later tests."""
+    yield
+    for pid in alive(engine_pids(tmp_path / "logs")):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -210,9 +225,26 @@ def test_bad_deployment_fails_fast_with_a_clear_error(
     tmp_path: Path, tiny_hybrid_model, args: list[str], message: str
 ) -> None:
     args = [str(tiny_hybrid_model) if a == "MODEL" else a for a in args]
-    proc = start(["serve", *args, "--router-port", "0"], cwd=tmp_path)
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    proc = start(["serve", *args, *logs, "--router-port", "0"], cwd=tmp_path)
     output = finish(proc, timeout_s=180)
     assert proc.returncode == 2, output[-3000:]
     assert message in output
     assert "router: " not in output
+    assert wait_session_empty(proc.pid) == []
+
+
+def test_a_local_cluster_counts_only_the_cores_the_cli_may_use(
+    tmp_path: Path, tiny_hybrid_model
+) -> None:
+    """Ray's own CPU count ignores CPU affinity; confined to one core, ``serve`` must see a
+    one-CPU cluster and refuse two engines before starting any (not plan them onto cores it
+    cannot use)."""
+    args = ["--model", str(tiny_hybrid_model), "--num-prefill", "1", "--num-decode", "1"]
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    proc = start(["serve", *args, *logs, "--router-port", "0"], cwd=tmp_path, cores={0})
+    output = finish(proc, timeout_s=180)
+    assert proc.returncode == 2, output[-3000:]
+    refusal = "1 prefill + 1 decode engines do not fit the Ray cluster (CPU: need 2, cluster has 1)"
+    assert refusal in output, output[-3000:]
     assert wait_session_empty(proc.pid) == []

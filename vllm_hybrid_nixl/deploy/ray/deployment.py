@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import ray
 
+from vllm_hybrid_nixl.common.cpus import usable_cpus
 from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.deploy.placement import PlacedEngine, core_shares
@@ -165,7 +166,13 @@ class PDDeployment:
         if self.config.address:
             ray.init(address=self.config.address, log_to_driver=False)
         else:
-            ray.init(_node_ip_address=LOCAL_NODE_IP, include_dashboard=False, log_to_driver=False)
+            # The CPUs this process may use: Ray's own count ignores CPU affinity.
+            ray.init(
+                _node_ip_address=LOCAL_NODE_IP,
+                num_cpus=usable_cpus(),
+                include_dashboard=False,
+                log_to_driver=False,
+            )
         self._started_ray = True
 
     def _check_resources(self) -> None:
