@@ -195,7 +195,7 @@ def test_serve_prints_router_and_stops_everything_on_sigterm(
         pids = engine_pids(tmp_path / "logs")
         assert len(pids) >= 6  # 2 engines x (API server, engine core, worker)
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=120)
+        proc.wait(timeout=120)  # the reader thread drains its output
         assert proc.returncode == 0
         assert wait_session_empty(proc.pid) == []
         assert alive(pids) == set()
