@@ -87,12 +87,16 @@ def alive(pids: set[int]) -> set[int]:
     return living
 
 
-def kill_session(session_id: int) -> None:
-    for pid in session_members(session_id):
+def kill_pids(pids: set[int] | list[int]) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_session(session_id: int) -> None:
+    kill_pids(session_members(session_id))
 
 
 @pytest.fixture(autouse=True)
@@ -100,11 +104,7 @@ def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[None]:
     """Engines run in sessions of their own: after a failed test, every engine process that
     logged under the test's ``logs`` directory is killed, so none spins on into later tests."""
     yield
-    for pid in alive(engine_pids(tmp_path / "logs")):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(alive(engine_pids(tmp_path / "logs")))
 
 
 def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:

@@ -590,8 +590,8 @@ class LeaseHolderMixin:
         if not self._reading:
             return {}
         until, lost = {}, []
+        renewer = self._renewer
         for req_id in self._reading:
-            renewer = self._renewer
             renewed = renewer.held_until(req_id) if renewer is not None else None
             known = [t for t in (self._pin_holds.get(req_id), renewed) if t is not None]
             if known:
