@@ -5,13 +5,20 @@ Plain model: stock NIXL supports this, and so do we: ``check``, the router's pai
 engines all accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
 KV read over NIXL by both decode ranks. Hybrid model: not supported (vLLM splits per-rank
 KV heads, which the hybrid layout check cannot map); ``check``, the router and the decode
-engine all refuse it by name."""
+engine all refuse it by name.
+
+Two cores for three processes: the decode ranks' busy-polling NIXL progress threads, although
+at idle priority, slowed a normal process sharing their core 18-170x on this VM (measured: a
+2 s CPU probe took 33 s beside one, 312 s beside two). The prefill engine shares core 0 with
+decode rank 0, so its lease service can answer late: the decode engine here waits 30 s for it
+(``lease_check_timeout``; 2 s by default), and ``check`` runs before the engines start."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -34,6 +41,7 @@ def start_hetero_pair(model: Path, log_dir: Path) -> Iterator[PdPair]:
         "extra_args": [*COMMON_ARGS, "--tensor-parallel-size", "2"],
         "cpu_core": None,
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+        "kv_extra_config": {"lease_check_timeout": 30.0},  # see the module docstring
     }
     yield from start_pair(model, log_dir, {}, decode)
 
@@ -78,7 +86,7 @@ def warm_up(pair: PdPair, attempts: int = 3) -> None:
         try:
             run = run_pd_and_colocated(pair, body)
         except LegError as exc:  # the failed load answered as an error
-            outcomes.append(str(exc))
+            outcomes.append(f"{exc} (decode engine's errors: {decode_errors(pair)[-1500:]})")
             continue
         if run.moved.failed_transfers == 0 and run.moved.nixl_bytes > 0:
             return
@@ -86,21 +94,38 @@ def warm_up(pair: PdPair, attempts: int = 3) -> None:
     pytest.fail(f"no clean KV transfer in {attempts} warm-up requests: {outcomes}")
 
 
+def decode_errors(pair: PdPair) -> str:
+    """The decode engine's ERROR lines (what a failed leg's HTTP 500 does not say)."""
+    lines = [line for line in pair.decode.log_text().splitlines() if " ERROR " in line]
+    return "\n".join(lines[-20:])
+
+
+@dataclass
+class PlainCase:
+    pair: PdPair
+    check: tuple[int, str]  # `check` on the same model, run before the engines started
+
+
 @pytest.fixture(scope="module")
-def plain_pair(tmp_path_factory) -> Iterator[PdPair]:
+def plain_case(tmp_path_factory) -> Iterator[PlainCase]:
     model = build_tiny_model(tmp_path_factory.mktemp("tp-llama"), TinyModelSpec(arch="llama"))
+    check = check_text(model)
     for pair in start_hetero_pair(model, tmp_path_factory.mktemp("tp-plain-logs")):
         warm_up(pair)
-        yield pair
+        yield PlainCase(pair, check)
 
 
-def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_pair: PdPair) -> None:
-    code, text = check_text(Path(plain_pair.model))
+def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: PlainCase) -> None:
+    code, text = plain_case.check
     assert code == 0, text
+    plain_pair = plain_case.pair
     assert pairing_problem(plain_pair) == ""
     for prompt in PROMPTS:
         body = {"model": plain_pair.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        run = run_pd_and_colocated(plain_pair, body)
+        try:
+            run = run_pd_and_colocated(plain_pair, body)
+        except LegError as exc:
+            pytest.fail(f"{exc}\ndecode engine's errors:\n{decode_errors(plain_pair)}")
         assert run.pd_choice["text"] == run.colocated_choice["text"], prompt
         assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0
         assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
@@ -110,9 +135,9 @@ def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_pair: PdPai
 
 
 def test_hybrid_model_tp1_to_tp2_is_refused_by_check_router_and_engine(
-    plain_pair: PdPair, tiny_hybrid_model: Path, tmp_path: Path
+    plain_case: PlainCase, tiny_hybrid_model: Path, tmp_path: Path
 ) -> None:
-    for engine in (plain_pair.prefill, plain_pair.decode):
+    for engine in (plain_case.pair.prefill, plain_case.pair.decode):
         engine.stop()  # two cores: the hybrid pair needs them
     code, text = check_text(tiny_hybrid_model)
     assert code == 1, text
