@@ -19,7 +19,7 @@ from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
-from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(
@@ -72,7 +72,12 @@ def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
     engine, with the decode engine's KV-transfer counters for the P/D request."""
     with httpx.Client(timeout=120.0) as client:
         before = read_kv_transfer_counters(pair.decode.spec.url, client)
-        result = disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
+        try:
+            result = disaggregated_completion(
+                client, pair.prefill.spec.url, pair.decode.spec.url, body
+            )
+        except LegError as exc:  # a failed leg's HTTP 500 does not say why; the log does
+            raise LegError(f"{exc}\ndecode engine's errors:\n{decode_errors(pair)}") from exc
         moved = read_kv_transfer_counters(pair.decode.spec.url, client) - before
         colocated = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()
     return PdVersusColocated(
@@ -81,6 +86,12 @@ def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
         prompt_tokens=result.decode_response["usage"]["prompt_tokens"],
         moved=moved,
     )
+
+
+def decode_errors(pair: PdPair) -> str:
+    """The decode engine's last ERROR lines from its log."""
+    lines = [line for line in pair.decode.log_text().splitlines() if " ERROR " in line]
+    return "\n".join(lines[-20:])
 
 
 def engine_posts(url: str) -> float:

@@ -86,18 +86,12 @@ def warm_up(pair: PdPair, attempts: int = 3) -> None:
         try:
             run = run_pd_and_colocated(pair, body)
         except LegError as exc:  # the failed load answered as an error
-            outcomes.append(f"{exc} (decode engine's errors: {decode_errors(pair)[-1500:]})")
+            outcomes.append(str(exc))
             continue
         if run.moved.failed_transfers == 0 and run.moved.nixl_bytes > 0:
             return
         outcomes.append(str(run.moved))
     pytest.fail(f"no clean KV transfer in {attempts} warm-up requests: {outcomes}")
-
-
-def decode_errors(pair: PdPair) -> str:
-    """The decode engine's ERROR lines (what a failed leg's HTTP 500 does not say)."""
-    lines = [line for line in pair.decode.log_text().splitlines() if " ERROR " in line]
-    return "\n".join(lines[-20:])
 
 
 @dataclass
@@ -122,10 +116,7 @@ def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: Plain
     assert pairing_problem(plain_pair) == ""
     for prompt in PROMPTS:
         body = {"model": plain_pair.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        try:
-            run = run_pd_and_colocated(plain_pair, body)
-        except LegError as exc:
-            pytest.fail(f"{exc}\ndecode engine's errors:\n{decode_errors(plain_pair)}")
+        run = run_pd_and_colocated(plain_pair, body)  # a failed leg names the decode's errors
         assert run.pd_choice["text"] == run.colocated_choice["text"], prompt
         assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0
         assert run.moved.external_prompt_tokens >= run.prompt_tokens - 1
