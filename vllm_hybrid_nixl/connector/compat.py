@@ -334,6 +334,36 @@ def data_parallel_index(vllm_config: Any) -> int:
     return 0
 
 
+def side_channel_env() -> tuple[str, int]:
+    """``VLLM_NIXL_SIDE_CHANNEL_HOST`` and ``VLLM_NIXL_SIDE_CHANNEL_PORT`` as vLLM reads them
+    (before its data-parallel offset)."""
+    envs = importlib.import_module("vllm.envs")
+    return str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST), int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT)
+
+
+def digest_hooks_available() -> bool:
+    """Whether this release's pull worker reads through the two methods the KV digest wraps
+    to learn which pages a read moved: ``_read_blocks(read_spec, dst_engine_id, request_id,
+    ...)`` and ``_apply_prefix_caching`` (0.32+), with ``get_transfer_results``."""
+    worker = nixl_classes().pull_worker
+    read = getattr(worker, "_read_blocks", None)
+    if read is None or not hasattr(worker, "_apply_prefix_caching"):
+        return False
+    names = list(inspect.signature(read).parameters)
+    return transfer_results_api() and names[1:4] == ["read_spec", "dst_engine_id", "request_id"]
+
+
+def record_digest_mismatch(xfer_stats: Any) -> bool:
+    """Count a KV digest mismatch as a failed transfer in the NIXL worker's stats (0.32+:
+    ``vllm:nixl_num_failed_transfers`` on the engine's /metrics); False where the stats lack
+    that method."""
+    record = getattr(xfer_stats, "record_failed_transfer", None)
+    if record is None:
+        return False
+    record()
+    return True
+
+
 # ---- what the registration audit reads of vLLM's own descriptor computation ------------------
 
 

@@ -48,6 +48,12 @@ from typing import Any
 import zmq
 
 from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.digest_guard import (
+    EXPECT_ATTRIBUTE,
+    SOURCES_ATTRIBUTE,
+    digest_enabled,
+    digest_port_base,
+)
 from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer, Pinner
 from vllm_hybrid_nixl.connector.read_holds import (
     HOLDS_ATTRIBUTE,
@@ -117,6 +123,7 @@ class RemoteKv:
     prompt_sha256: str = ""
     lease_s: float = DEFAULT_LEASE_S
     pin_s: float | None = None  # how long a pin holds the blocks (None: an older peer)
+    digest_port: int | None = None  # the prefill's first KV digest port (None: sends none)
 
     def describe(self) -> str:
         where = f" ({self.address.host})" if self.address else ""
@@ -202,6 +209,8 @@ class LeaseHolderMixin:
         self._pin_sent: dict[str, float] = {}  # decode: when each pin under way was asked
         self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
         self._reading: set[str] = set()  # decode: pinned requests whose read has started
+        self._digest_port: int | None = None  # prefill: where its workers serve KV digests
+        self._digest_sources: dict[str, Any] = {}  # prefill: blocks to digest next step
         if getattr(self, "connector_scheduler", None) is None:
             return  # worker role
         config = vllm_config.kv_transfer_config
@@ -216,6 +225,8 @@ class LeaseHolderMixin:
         self._pinner = Pinner(peers, self._lease_timeout_s)
         if config.is_kv_producer:
             self._start_lease_service(config)
+            if digest_enabled(config) and compat.digest_hooks_available():
+                self._digest_port = digest_port_base(vllm_config)
 
     def _start_lease_service(self, config: Any) -> None:
         lease_s = float(config.get_from_extra_config(LEASE_KEY, DEFAULT_LEASE_S))
@@ -287,6 +298,11 @@ class LeaseHolderMixin:
             "prompt_tokens": len(prompt),
             "prompt_sha256": prompt_digest(prompt, request),
         }
+        if self._digest_port is not None and params.get("remote_block_ids"):
+            params[PARAMS_KEY]["digest_port"] = self._digest_port
+            self._digest_sources[request.request_id] = [
+                list(group) for group in params["remote_block_ids"]
+            ]
         return params
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
@@ -450,12 +466,29 @@ class LeaseHolderMixin:
             lease_s = DEFAULT_LEASE_S
         pin_s = lease.get("pin_s")
         pin_s = float(pin_s) if _seconds(pin_s) else None
+        digest_port = lease.get("digest_port")
+        if digest_port is not None and not (
+            isinstance(digest_port, int)
+            and not isinstance(digest_port, bool)
+            and 0 < digest_port < 65536
+        ):
+            problem = f"its {PARAMS_KEY} digest_port is not a port: {digest_port!r:.40}"
+            return RemoteKv(remote_req, engine, address, problem)
         if tokens is None and digest is None:
-            return RemoteKv(remote_req, engine, address, lease_s=float(lease_s), pin_s=pin_s)
+            return RemoteKv(
+                remote_req,
+                engine,
+                address,
+                lease_s=float(lease_s),
+                pin_s=pin_s,
+                digest_port=digest_port,
+            )
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not isinstance(digest, str):
             problem = f"its {PARAMS_KEY} value has no usable prompt_tokens / prompt_sha256"
             return RemoteKv(remote_req, engine, address, problem)
-        return RemoteKv(remote_req, engine, address, "", tokens, digest, float(lease_s), pin_s)
+        return RemoteKv(
+            remote_req, engine, address, "", tokens, digest, float(lease_s), pin_s, digest_port
+        )
 
     def _tokens_to_load(self, request: Any) -> int:
         count = len(request.prompt_token_ids or ())
@@ -577,7 +610,30 @@ class LeaseHolderMixin:
             setattr(metadata, REFUSALS_ATTRIBUTE, refusals)
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
+        self._digest_metadata(metadata)
         return metadata
+
+    def _digest_metadata(self, metadata: Any) -> None:
+        """Prefill: the blocks its workers digest this step. Decode: for each read starting
+        this step, where the prefill serves its digests (none for a prefill that sends
+        none: its workers then log the reads as unverified)."""
+        if self._digest_sources:
+            setattr(metadata, SOURCES_ATTRIBUTE, self._digest_sources)
+            self._digest_sources = {}
+        to_read = getattr(metadata, "reqs_to_recv", None)
+        if not isinstance(to_read, dict) or not to_read:
+            return
+        expect: dict[str, dict[str, object]] = {}
+        for req_id in to_read:
+            remote = self._accepted.get(req_id)
+            if remote is None:
+                continue
+            where: dict[str, object] = {"engine": remote.engine, "req": remote.remote_req}
+            if remote.digest_port is not None and remote.address is not None:
+                where.update(host=remote.address.host, port=remote.digest_port)
+            expect[req_id] = where
+        if expect:
+            setattr(metadata, EXPECT_ATTRIBUTE, expect)
 
     def _read_holds(self, metadata: Any, refusals: dict[str, str]) -> dict[str, object]:
         """Each reading request's hold for the worker's check after the read

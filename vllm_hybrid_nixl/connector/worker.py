@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_hybrid_nixl.connector import compat, thread_priority
+from vllm_hybrid_nixl.connector.digest_guard import DigestGuardMixin
 from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind, state_bytes
 from vllm_hybrid_nixl.connector.lease import LeaseReaderMixin
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY, paced_agents
@@ -468,8 +469,11 @@ class HybridRegistrationMixin:
         return fetch_compat_string(host, port, with_pp_rank=with_pp_rank)
 
 
-class HybridNixlPullWorker(LeaseReaderMixin, HybridRegistrationMixin, _NIXL.pull_worker):
-    """Pull-mode (READ) NIXL worker with the HMA-aware registration and the lease guard."""
+class HybridNixlPullWorker(
+    DigestGuardMixin, LeaseReaderMixin, HybridRegistrationMixin, _NIXL.pull_worker
+):
+    """Pull-mode (READ) NIXL worker with the HMA-aware registration, the lease guard and
+    the end-to-end KV digest."""
 
 
 class HybridNixlPushWorker(HybridRegistrationMixin, _NIXL.push_worker):

@@ -1,0 +1,469 @@
+"""The end-to-end KV digest, on both workers: the decode engine samples only from KV whose
+bytes are the bytes the prefill engine computed.
+
+Prefill worker (every rank): the step after a request finishes with its blocks kept for a
+decode engine, its scheduler names the request's blocks on the connector metadata
+(:data:`SOURCES_ATTRIBUTE`); the worker digests every kernel page of them, per KV-cache group
+(:mod:`.kv_digest`), and serves the digests on its digest port
+(:mod:`~vllm_hybrid_nixl.protocol.digest_wire`) until the decode's read is long over.
+
+Decode worker (every rank): the pages each read moved are recorded as vLLM's own read path
+computes them (after its prefix-cache trim). When vLLM reports the read complete, the worker
+digests the pages it received, holds the request back from the scheduler, and asks the
+prefill rank it read from for that rank's digests (in the background: other requests go on).
+Equal digests release the request to be scheduled; a difference, a missing digest or no
+usable answer within ``kv_digest_timeout`` makes the read a failed KV load
+(``failed_recving``): vLLM then fails the request or computes the prompt itself
+(``kv_load_failure_policy``), and never caches what it received. The decode scheduler names
+what to ask on the metadata (:data:`EXPECT_ATTRIBUTE`, from the prefill's lease value);
+a prefill engine that sends no digest port (a stock peer, an older release of ours,
+``kv_digest: false``) is named once in the log: its reads are unverified.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.kv_digest import PageDigester
+from vllm_hybrid_nixl.protocol.digest_wire import (
+    DIGEST_PORT_OFFSET,
+    DigestAskFailed,
+    DigestServer,
+    GroupDigests,
+    ask_digests,
+    endpoint_of,
+)
+from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND
+
+logger = logging.getLogger("vllm.hybrid_nixl.digest")
+
+#: ``kv_connector_extra_config`` keys.
+DIGEST_KEY = "kv_digest"  # true (default) or false
+DIGEST_TIMEOUT_KEY = "kv_digest_timeout"  # seconds a decode waits for the prefill's digests
+DEFAULT_DIGEST_TIMEOUT_S = 10.0
+#: Connector-metadata attributes the schedulers hand their workers.
+SOURCES_ATTRIBUTE = "hybrid_digest_sources"  # prefill: {request: logical blocks per group}
+EXPECT_ATTRIBUTE = "hybrid_digest_expect"  # decode: {request: where its digests are}
+#: A prefill worker keeps a request's digests this long after computing them.
+KEEP_S = 900.0
+MAX_KEPT = 100_000
+#: Between two questions for digests the prefill has not computed yet.
+PENDING_RETRY_S = 0.02
+
+
+class DigestSettingError(ValueError):
+    """A ``kv_digest`` / ``kv_digest_timeout`` value that is not usable."""
+
+
+def digest_enabled(kv_transfer_config: Any) -> bool:
+    """``kv_digest`` from ``kv_connector_extra_config`` (default true)."""
+    if kv_transfer_config is None:
+        return False
+    value = kv_transfer_config.get_from_extra_config(DIGEST_KEY, True)
+    if not isinstance(value, bool):
+        raise DigestSettingError(
+            f"kv_connector_extra_config {DIGEST_KEY} is {value!r}; expected true or false "
+            "(true verifies every KV read byte for byte; false turns the check off)"
+        )
+    return value
+
+
+def digest_timeout(kv_transfer_config: Any) -> float:
+    value = kv_transfer_config.get_from_extra_config(DIGEST_TIMEOUT_KEY, DEFAULT_DIGEST_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 3600:
+        raise DigestSettingError(
+            f"kv_connector_extra_config {DIGEST_TIMEOUT_KEY} is {value!r}; expected seconds "
+            f"between 0 and 3600 (default {DEFAULT_DIGEST_TIMEOUT_S:g})"
+        )
+    return float(value)
+
+
+def digest_port_base(vllm_config: Any) -> int:
+    """The first digest port of this engine (its TP rank 0): side-channel port +
+    :data:`DIGEST_PORT_OFFSET` + data-parallel rank x TP size."""
+    _, side_port = compat.side_channel_env()
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    return side_port + DIGEST_PORT_OFFSET + compat.data_parallel_index(vllm_config) * tp_size
+
+
+def kernel_pages(block_ids: Sequence[Sequence[int]], ratios: Sequence[int]) -> list[list[int]]:
+    """Logical block ids per group -> kernel page ids (``ratio`` pages per block)."""
+    return [
+        [block * ratio + k for block in group for k in range(ratio)]
+        for group, ratio in zip(block_ids, ratios, strict=True)
+    ]
+
+
+@dataclass
+class _Read:
+    """One NIXL read of a request: the remote rank and the kernel pages per group."""
+
+    remote_rank: int
+    local: list[list[int]]
+    remote: list[list[int]]
+
+
+@dataclass
+class _Check:
+    """A completed read waiting for the prefill's digests."""
+
+    reads: list[_Read]
+    local: list[dict[int, np.ndarray]]  # per read: group -> received pages' lanes
+    future: Future
+    engine: str
+    remote_req: str
+    started: float = field(default_factory=time.monotonic)
+
+
+class DigestTable:
+    """A prefill worker's digests by request, kept :data:`KEEP_S` (at most
+    :data:`MAX_KEPT`); thread-safe (the digest service reads it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[float, dict[int, GroupDigests]]] = OrderedDict()
+
+    def put(self, req_id: str, digests: dict[int, GroupDigests]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._entries[req_id] = (now, digests)
+            self._entries.move_to_end(req_id)
+            while self._entries and (
+                len(self._entries) > MAX_KEPT
+                or next(iter(self._entries.values()))[0] < now - KEEP_S
+            ):
+                self._entries.popitem(last=False)
+
+    def get(self, req_id: str) -> dict[int, GroupDigests] | None:
+        with self._lock:
+            entry = self._entries.get(req_id)
+        return entry[1] if entry is not None else None
+
+
+class DigestGuardMixin:
+    """Worker: digest on the prefill rank, check on the decode rank (see the module)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        worker: Any = self
+        config = worker.vllm_config.kv_transfer_config
+        self._digest_on = digest_enabled(config) and compat.digest_hooks_available()
+        if digest_enabled(config) and not self._digest_on:
+            logger.warning(
+                "vllm-hybrid-nixl: the KV digest is not available on %s (its NIXL worker "
+                "reads through other methods); KV reads are not verified byte for byte",
+                compat.installed_release_text(),
+            )
+        self._digest_timeout_s = digest_timeout(config)
+        self._digester: PageDigester | None = None
+        self._digest_ratios: list[int] = []
+        self._digest_kinds: list[str] = []
+        self._digest_table = DigestTable()
+        self._digest_server: DigestServer | None = None
+        self._digest_expect: dict[str, dict[str, Any]] = {}
+        self._digest_reads: dict[str, list[_Read]] = {}
+        self._digest_reading: str | None = None
+        self._digest_checks: dict[str, _Check] = {}
+        self._digest_unverified_warned: set[str] = set()
+        self._digest_verified_told: set[str] = set()
+        self.digest_verified = 0
+        self._digest_pool: ThreadPoolExecutor | None = None
+        self.digest_mismatches = 0
+
+    # ---- both roles: what to digest --------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        if not self._digest_on:
+            return
+        worker: Any = self
+        layers = [
+            (item.layer.group_id, kv_caches[item.layer.name], item)
+            for item in worker.validated_layers
+        ]
+        self._digester = PageDigester(layers)
+        groups = 1 + max((item.layer.group_id for item in worker.validated_layers), default=-1)
+        kinds = {item.layer.group_id: item.layer.spec_kind for item in worker.validated_layers}
+        self._digest_kinds = [kinds.get(g, "?") for g in range(groups)]
+        ratio = int(worker._physical_blocks_per_logical_kv_block)
+        self._digest_ratios = [1 if kind == MAMBA_KIND else ratio for kind in self._digest_kinds]
+        if worker.kv_transfer_config.is_kv_producer:
+            self._start_digest_service()
+
+    def _start_digest_service(self) -> None:
+        worker: Any = self
+        host, _ = compat.side_channel_env()
+        port = digest_port_base(worker.vllm_config) + int(worker.tp_rank)
+        try:
+            self._digest_server = DigestServer(self._digest_table.get, host, port)
+        except Exception as exc:
+            raise RuntimeError(
+                f"vllm-hybrid-nixl: the KV digest service of TP rank {worker.tp_rank} could "
+                f"not listen on {host}:{port} ({exc}); it listens on the NIXL side-channel "
+                f"port + {DIGEST_PORT_OFFSET} + the rank. What to change: give this engine a "
+                "VLLM_NIXL_SIDE_CHANNEL_PORT whose +2000 ports are free, or stop what holds "
+                f"the port, or set {DIGEST_KEY}: false in kv_connector_extra_config (KV reads "
+                "are then not verified)."
+            ) from exc
+        logger.info(
+            "vllm-hybrid-nixl: KV digest service of TP rank %d on %s",
+            worker.tp_rank,
+            self._digest_server.endpoint,
+        )
+
+    def digest_pages(self, pages: Sequence[Sequence[int]]) -> dict[int, np.ndarray]:
+        """Group -> ``[n, 2]`` lanes of the given kernel pages of this worker's caches."""
+        assert self._digester is not None
+        return {
+            group: self._digester.digest(group, list(ids))
+            for group, ids in enumerate(pages)
+            if ids and group in self._digester.groups
+        }
+
+    # ---- prefill rank ---------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: Any) -> Any:
+        if self._digester is not None:
+            for req_id, blocks in (getattr(metadata, SOURCES_ATTRIBUTE, None) or {}).items():
+                self._digest_source(req_id, blocks)
+            expect = getattr(metadata, EXPECT_ATTRIBUTE, None)
+            if expect:
+                self._digest_expect.update(expect)
+        return super().start_load_kv(metadata)  # type: ignore[misc]
+
+    def _digest_source(self, req_id: str, blocks: Sequence[Sequence[int]]) -> None:
+        try:
+            pages = kernel_pages(blocks, self._digest_ratios)
+            lanes = self.digest_pages(pages)
+        except Exception:  # noqa: BLE001 - a digest it cannot make is one the decode lacks
+            logger.exception("vllm-hybrid-nixl: could not digest request %s's KV", req_id)
+            return
+        self._digest_table.put(
+            req_id,
+            {
+                group: GroupDigests(np.asarray(pages[group], dtype=np.int64), values)
+                for group, values in lanes.items()
+            },
+        )
+
+    # ---- decode rank: which pages each read moved ------------------------------------------
+
+    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *a, **kw):
+        if not self._digest_on:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+        reads = self._digest_reads.setdefault(request_id, [])
+        reads.append(
+            _Read(
+                int(read_spec.remote_rank),
+                [list(g) for g in read_spec.local_block_ids],
+                [list(g) for g in read_spec.remote_block_ids],
+            )
+        )
+        self._digest_reading = request_id
+        try:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+        finally:
+            self._digest_reading = None
+
+    def _apply_prefix_caching(self, *args: Any, **kwargs: Any) -> Any:
+        local, remote = super()._apply_prefix_caching(*args, **kwargs)  # type: ignore[misc]
+        reading = self._digest_reading
+        if reading is not None and self._digest_reads.get(reading):
+            read = self._digest_reads[reading][-1]
+            read.local = [list(g) for g in local]
+            read.remote = [list(g) for g in remote]
+        return local, remote
+
+    # ---- decode rank: the check -------------------------------------------------------------
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()  # type: ignore[misc]
+        if not self._digest_on:
+            return results
+        for req_id in list(results.finished_recving):
+            reads = self._digest_reads.pop(req_id, None)
+            expect = self._digest_expect.pop(req_id, None)
+            if req_id in results.failed_recving or not reads:
+                continue
+            reads = [r for r in reads if any(r.local)]
+            if not reads:
+                continue  # nothing moved (a full local prefix hit)
+            if expect is None or not expect.get("port"):
+                self._warn_unverified(req_id, expect)
+                continue
+            results.finished_recving.discard(req_id)
+            try:
+                self._digest_checks[req_id] = self._start_check(req_id, reads, expect)
+            except Exception as exc:  # noqa: BLE001 - a read it cannot check is not used
+                self._report(
+                    results,
+                    req_id,
+                    self._failure(
+                        req_id,
+                        str(expect.get("req")),
+                        f"its received KV could not be digested: {exc!r:.300}",
+                    ),
+                    None,
+                )
+        for req_id, check in list(self._digest_checks.items()):
+            if not check.future.done():
+                continue
+            del self._digest_checks[req_id]
+            try:
+                problem = self._verdict(req_id, check)
+            except Exception as exc:  # noqa: BLE001 - never raise out of the engine's step
+                problem = self._failure(
+                    req_id, check.remote_req, f"its digests could not be compared: {exc!r:.300}"
+                )
+            self._report(results, req_id, problem, check)
+        return results
+
+    def _report(self, results: Any, req_id: str, problem: str, check: _Check | None) -> None:
+        """Hand a checked read to the scheduler: done, and failed when ``problem``."""
+        results.finished_recving.add(req_id)
+        if problem:
+            results.failed_recving.add(req_id)
+            self._count_mismatch()
+            logger.error("%s", problem)
+            return
+        self.digest_verified += 1
+        engine = check.engine if check is not None else "?"
+        if engine not in self._digest_verified_told:
+            self._digest_verified_told.add(engine)
+            logger.info(
+                "vllm-hybrid-nixl: KV reads from prefill engine %s are verified byte for byte "
+                "(first: request %s)",
+                engine,
+                req_id,
+            )
+
+    def received_digests(self, req_id: str, reads: list[_Read]) -> list[dict[int, np.ndarray]]:
+        """The received pages' digests, read by read (the corruption tests wrap this)."""
+        return [self.digest_pages(read.local) for read in reads]
+
+    def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
+        local = self.received_digests(req_id, reads)
+        if self._digest_pool is None:
+            self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="hybrid-nixl-digest")
+        host, base, remote_req = str(expect["host"]), int(expect["port"]), str(expect["req"])
+        ranks = sorted({read.remote_rank for read in reads})
+        future = self._digest_pool.submit(
+            _fetch_all,
+            {rank: endpoint_of(host, base + rank) for rank in ranks},
+            remote_req,
+            self._digest_timeout_s,
+        )
+        return _Check(reads, local, future, str(expect.get("engine", "?")), remote_req)
+
+    def _verdict(self, req_id: str, check: _Check) -> str:
+        """Empty when every received page equals the prefill's; else the error message."""
+        where = f"prefill request {check.remote_req} on engine {check.engine}"
+        try:
+            fetched: dict[int, dict[int, GroupDigests]] = check.future.result()
+        except DigestAskFailed as exc:
+            return self._failure(req_id, where, f"no usable KV digest came back: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every failure fails the read, by name
+            return self._failure(req_id, where, f"the digest question failed: {exc!r:.300}")
+        for read, local in zip(check.reads, check.local, strict=True):
+            remote_groups = fetched.get(read.remote_rank, {})
+            for group, lanes in local.items():
+                wanted = remote_groups.get(group)
+                known = wanted.of() if wanted is not None else {}
+                if len(read.remote[group]) != len(lanes):
+                    return self._failure(
+                        req_id,
+                        where,
+                        f"group {group}: {len(read.local[group])} pages read into "
+                        f"{len(read.remote[group])} remote pages cannot be paired",
+                    )
+                for index, page in enumerate(read.remote[group]):
+                    expected = known.get(int(page))
+                    got = (int(lanes[index][0]), int(lanes[index][1]))
+                    if expected == got:
+                        continue
+                    ratio = self._digest_ratios[group]
+                    kind = self._digest_kinds[group]
+                    what = "has no digest for it" if expected is None else "computed other bytes"
+                    return self._failure(
+                        req_id,
+                        where,
+                        f"the KV bytes received differ from the prefill engine's in KV-cache "
+                        f"group {group} ({kind}), first at logical block {int(page) // ratio} "
+                        f"(kernel page {int(page)}, read into local page "
+                        f"{read.local[group][index]}) from TP rank {read.remote_rank}: the "
+                        f"prefill {what}",
+                    )
+        return ""
+
+    def _failure(self, req_id: str, where: str, cause: str) -> str:
+        worker: Any = self
+        policy = compat.kv_load_failure_policy(worker.kv_transfer_config)
+        outcome = "is recomputed on this engine" if policy == "recompute" else "fails"
+        return (
+            f"vllm-hybrid-nixl: KV digest mismatch for request {req_id} ({where}): {cause}. "
+            f"Nothing received for it is used or cached; the request {outcome} "
+            f"(kv_load_failure_policy={policy}). What to change: nothing for a single event "
+            "(the router re-runs a failed request on a fresh prefill); if it repeats, check "
+            "the prefill and decode engines' NIXL/UCX transport and report it with both logs."
+        )
+
+    def _count_mismatch(self) -> None:
+        self.digest_mismatches += 1
+        worker: Any = self
+        compat.record_digest_mismatch(getattr(worker, "xfer_stats", None))
+
+    def _warn_unverified(self, req_id: str, expect: dict[str, Any] | None) -> None:
+        engine = str((expect or {}).get("engine", "?"))
+        if engine in self._digest_unverified_warned:
+            return
+        self._digest_unverified_warned.add(engine)
+        logger.warning(
+            "vllm-hybrid-nixl: KV reads from prefill engine %s are NOT verified byte for byte: "
+            "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, "
+            "kv_digest: false, or a different tensor-parallel size); first seen on request %s",
+            engine,
+            req_id,
+        )
+
+
+def _fetch_all(
+    endpoints: dict[int, str], remote_req: str, timeout_s: float
+) -> dict[int, dict[int, GroupDigests]]:
+    """Every rank's digests of ``remote_req``, asking again while they are pending or the
+    service does not answer, until ``timeout_s``; raises :class:`DigestAskFailed`."""
+    deadline = time.monotonic() + timeout_s
+    fetched: dict[int, dict[int, GroupDigests]] = {}
+    for rank, endpoint in endpoints.items():
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DigestAskFailed(f"TP rank {rank} ({endpoint}): {last} within {timeout_s:g} s")
+            try:
+                found = ask_digests(endpoint, remote_req, min(left, 2.0))
+            except DigestAskFailed as exc:
+                last = str(exc)
+                time.sleep(min(PENDING_RETRY_S * 5, max(0.0, deadline - time.monotonic())))
+                continue
+            if found is None:
+                raise DigestAskFailed(
+                    f"TP rank {rank} ({endpoint}) does not know prefill request {remote_req} "
+                    "(restarted, or its digests were dropped)"
+                )
+            if isinstance(found, str):
+                last = "digests still pending"
+                time.sleep(PENDING_RETRY_S)
+                continue
+            fetched[rank] = found
+            break
+    return fetched

@@ -1,0 +1,191 @@
+"""The KV digest protocol: a decode worker asks the prefill worker rank it read from for the
+digests of one prefill request's kernel pages, over ZeroMQ, one JSON message each way.
+
+Request ``{"op": "digest", "req": prefill request id}``; reply ``{"req": id, "state":
+"ready", "groups": {group: {"pages": base64 int64[], "lanes": base64 uint64[n, 2]}}}``,
+``{"req": id, "state": "pending"}`` (not computed yet: ask again), ``{"req": id, "state":
+"unknown"}`` or ``{"error": text}``. The service answers anything it cannot use with an
+error and keeps serving (requests are capped in size); on the asking side every reply that
+is not this protocol raises :class:`DigestAskFailed`.
+
+Each prefill worker rank listens on the engine's digest port base (carried in the lease
+value, ``digest_port``) plus its tensor-parallel rank; the base is the NIXL side-channel port
+plus :data:`DIGEST_PORT_OFFSET` plus the data-parallel rank times the TP size.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+logger = logging.getLogger("vllm.hybrid_nixl.digest")
+
+#: Digest ports sit this far above the NIXL side-channel port (the lease service: +1000).
+DIGEST_PORT_OFFSET = 2000
+MAX_REQUEST_BYTES = 4096
+MAX_ID_CHARS = 256
+#: Largest reply a decode worker reads (a 1M-token prompt at block 16 is ~2 MB per group).
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+
+class DigestAskFailed(ConnectionError):
+    """The digest question got no usable answer (the message says why)."""
+
+
+@dataclass(frozen=True)
+class GroupDigests:
+    """Kernel page ids of one KV-cache group and their two digest lanes each."""
+
+    pages: np.ndarray  # int64 [n]
+    lanes: np.ndarray  # uint64 [n, 2]
+
+    def of(self) -> dict[int, tuple[int, int]]:
+        return {int(p): (int(a), int(b)) for p, (a, b) in zip(self.pages, self.lanes, strict=True)}
+
+    def to_wire(self) -> dict[str, str]:
+        return {
+            "pages": base64.b64encode(self.pages.astype("<i8").tobytes()).decode(),
+            "lanes": base64.b64encode(self.lanes.astype("<u8").tobytes()).decode(),
+        }
+
+    @classmethod
+    def from_wire(cls, value: object) -> GroupDigests:
+        if not isinstance(value, dict):
+            raise ValueError("a group's digests must be an object")
+        pages_text, lanes_text = value.get("pages"), value.get("lanes")
+        if not isinstance(pages_text, str) or not isinstance(lanes_text, str):
+            raise ValueError("pages and lanes must be base64 strings")
+        pages = np.frombuffer(base64.b64decode(pages_text, validate=True), dtype="<i8")
+        lanes = np.frombuffer(base64.b64decode(lanes_text, validate=True), dtype="<u8")
+        if lanes.size != 2 * pages.size:
+            raise ValueError(f"{pages.size} pages but {lanes.size} lane values")
+        return cls(pages.astype(np.int64), lanes.reshape(-1, 2).astype(np.uint64))
+
+
+#: What a prefill worker knows of a request: None (unknown), "pending", or its digests.
+Lookup = Callable[[str], "dict[int, GroupDigests] | str | None"]
+
+
+def _error(message: str) -> dict[str, object]:
+    return {"error": message}
+
+
+def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
+    """The reply to one message (an ``error`` reply for anything malformed)."""
+    try:
+        request = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        return _error(f"not a JSON digest request ({type(exc).__name__})")
+    if not isinstance(request, dict) or request.get("op") != "digest":
+        return _error('a digest request is an object with "op": "digest"')
+    req = request.get("req")
+    if not isinstance(req, str) or not 0 < len(req) <= MAX_ID_CHARS:
+        return _error(f"req must be a request id (a string of 1..{MAX_ID_CHARS} characters)")
+    found = lookup(req)
+    if found is None:
+        return {"req": req, "state": "unknown"}
+    if isinstance(found, str):
+        return {"req": req, "state": "pending"}
+    groups = {str(group): digests.to_wire() for group, digests in found.items()}
+    return {"req": req, "state": "ready", "groups": groups}
+
+
+class DigestServer:
+    """A daemon thread answering digest questions from ``lookup`` on ``host:port``."""
+
+    def __init__(self, lookup: Lookup, host: str, port: int) -> None:
+        self._lookup = lookup
+        self._socket = zmq.Context.instance().socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        bind_host = f"[{host}]" if ":" in host else host
+        try:
+            self._socket.bind(f"tcp://{bind_host}:{port}")
+        except zmq.ZMQError:
+            self._socket.close()
+            raise
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._thread = threading.Thread(target=self._serve, name="hybrid-nixl-digest", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                raw = self._socket.recv()
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError as exc:
+                logger.warning("vllm-hybrid-nixl: digest service receive failed: %s", exc)
+                continue
+            try:
+                reply = answer(raw, self._lookup)
+            except Exception as exc:  # noqa: BLE001 - no message may end the service
+                logger.exception("vllm-hybrid-nixl: digest service failed to answer a message")
+                reply = _error(f"the digest service failed on this message: {exc!r:.200}")
+            try:
+                self._socket.send(json.dumps(reply).encode())
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError as exc:
+                logger.warning("vllm-hybrid-nixl: digest service reply failed: %s", exc)
+
+
+def endpoint_of(host: str, port: int) -> str:
+    bracketed = f"[{host}]" if ":" in host else host
+    return f"tcp://{bracketed}:{port}"
+
+
+def ask_digests(
+    endpoint: str, remote_req: str, timeout_s: float
+) -> dict[int, GroupDigests] | str | None:
+    """One question on a connection of its own: the digests, ``"pending"``, or None
+    (unknown); raises :class:`DigestAskFailed` for no answer or one that is not this
+    protocol."""
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+    where = f"the prefill worker's digest service at {endpoint}"
+    try:
+        socket.connect(endpoint)
+        socket.send(json.dumps({"op": "digest", "req": remote_req}).encode())
+        if not socket.poll(max(1, int(timeout_s * 1000))):
+            raise DigestAskFailed(f"no answer from {where} within {timeout_s:g} s")
+        raw = socket.recv()
+    except zmq.ZMQError as exc:
+        raise DigestAskFailed(f"could not reach {where}: {exc}") from exc
+    finally:
+        socket.close()
+    return read_reply(raw, remote_req, where)
+
+
+def read_reply(raw: bytes, remote_req: str, where: str) -> dict[int, GroupDigests] | str | None:
+    """The digests in a reply (or ``"pending"`` / None); raises :class:`DigestAskFailed`."""
+    try:
+        reply = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise DigestAskFailed(f"{where} answered something that is not JSON") from exc
+    if not isinstance(reply, dict):
+        raise DigestAskFailed(f"{where} answered a {type(reply).__name__}, not an object")
+    if "error" in reply:
+        raise DigestAskFailed(f"{where} refused the question: {str(reply['error'])[:300]}")
+    if reply.get("req") != remote_req:
+        raise DigestAskFailed(f"{where} answered for another request")
+    state = reply.get("state")
+    if state == "unknown":
+        return None
+    if state == "pending":
+        return "pending"
+    groups = reply.get("groups")
+    if state != "ready" or not isinstance(groups, dict):
+        raise DigestAskFailed(f"{where} answered an unusable state {str(state)[:40]!r}")
+    try:
+        return {int(group): GroupDigests.from_wire(value) for group, value in groups.items()}
+    except (ValueError, TypeError) as exc:
+        raise DigestAskFailed(f"{where} answered unusable digests: {exc}") from exc
