@@ -18,9 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.digest_injection import (
+    ARMED_LINE,
+    VERIFIED_LINE,
+    hooked_env,
+    run_injected,
+    run_uncaught_damage,
+)
 from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
-from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair
+from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair, wait_router_ready
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
@@ -32,9 +39,59 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def pair(tiny_mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
-    # A short lease, for the late-leg test; the other tests send their legs at once.
-    prefill = {"kv_extra_config": {"kv_lease_duration": 3}}
-    yield from start_pair(tiny_mamba_model, tmp_path_factory.mktemp("mamba-logs"), prefill, {})
+    # A short lease, for the late-leg test; the other tests send their legs at once. Both
+    # engines carry the (idle) KV corruption hook for the digest tests.
+    logs = tmp_path_factory.mktemp("mamba-logs")
+    prefill = {"kv_extra_config": {"kv_lease_duration": 3}, "env": hooked_env(logs / "p.json")}
+    decode = {"env": hooked_env(logs / "d.json")}
+    yield from start_pair(tiny_mamba_model, logs, prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def router_url(pair: PdPair) -> Iterator[str]:
+    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        wait_router_ready(router.url)
+        yield router.url
+    finally:
+        router.stop()
+
+
+def _same(pd: dict, colocated: dict) -> bool:
+    try:
+        assert_same_answer(pd, colocated)
+    except AssertionError:
+        return False
+    return True
+
+
+DIGEST_BODIES = 10  # per place of injection: 20 corrupted reads per group kind
+
+
+def _digest_bodies(pair: PdPair, tag: str) -> list[dict]:
+    return [body(pair.model, f"{tag} {i}: " + PROMPTS[i % 4]) for i in range(DIGEST_BODIES)]
+
+
+@pytest.mark.parametrize("where", ["received", "source"])
+@pytest.mark.parametrize("kind", ["mamba", "full_attention"])
+def test_every_corrupted_kv_read_is_caught_and_rerun(
+    pair: PdPair, router_url: str, kind: str, where: str
+) -> None:
+    """One flipped byte in the Mamba state or an attention page — in the pages the decode
+    engine received, or in the prefill's pages after they were digested — fails the read;
+    the router re-runs it and the client gets the colocated answer (0 wrong)."""
+    assert ARMED_LINE in pair.decode.log_text()
+    run_injected(pair, router_url, _digest_bodies(pair, where + kind), where, kind, _same)
+    assert VERIFIED_LINE in pair.decode.log_text()  # the re-runs read verified KV
+
+
+@pytest.mark.parametrize("kind", ["mamba", "full_attention"])
+def test_the_same_damage_unchecked_answers_wrong_tokens(pair: PdPair, kind: str) -> None:
+    """The negative control: the received page overwritten after the check (as if nothing
+    verified it) answers HTTP 200 with other tokens."""
+    same = run_uncaught_damage(pair, _digest_bodies(pair, "unchecked " + kind)[:3], kind, _same)
+    assert not any(same), same
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["lighthouse", "mamba", "short", "ships"])

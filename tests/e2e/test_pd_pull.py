@@ -10,6 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.digest_injection import (
+    VERIFIED_LINE,
+    hooked_env,
+    run_injected,
+    run_uncaught_damage,
+)
 from tests.e2e.pd_fixture import (
     WORKER_LINE,
     PdPair,
@@ -17,9 +23,12 @@ from tests.e2e.pd_fixture import (
     start_pair,
     wait_router_ready,
 )
+from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.connector.thread_priority import cpu_seconds
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +44,66 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(tiny_hybrid_model, tmp_path_factory) -> Iterator[PdPair]:
+    logs = tmp_path_factory.mktemp("pd-pull-logs")
     yield from start_pair(
         tiny_hybrid_model,
-        tmp_path_factory.mktemp("pd-pull-logs"),
-        prefill={"connector": "HybridNixlConnector", "kv_extra_config": PACED},
-        decode={"connector": "HybridNixlConnector", "kv_extra_config": PACED},
+        logs,
+        prefill={
+            "connector": "HybridNixlConnector",
+            "kv_extra_config": PACED,
+            "env": hooked_env(logs / "p.json"),
+        },
+        decode={
+            "connector": "HybridNixlConnector",
+            "kv_extra_config": PACED,
+            "env": hooked_env(logs / "d.json"),
+        },
     )
+
+
+def _digest_bodies(pair: PdPair, tag: str, count: int = 10) -> list[dict]:
+    """Prompts unique to ``tag`` (no prefix-cache hit on the decode engine: every one is
+    read), within one sliding window."""
+    return [
+        {
+            "model": pair.model,
+            "prompt": f"{tag} {i}: {PROMPTS[0]}",
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        for i in range(count)
+    ]
+
+
+def _same_tokens(pd: dict, colocated: dict) -> bool:
+    return pd["text"] == colocated["text"]
+
+
+@pytest.mark.parametrize("where", ["received", "source"])
+def test_every_corrupted_sliding_window_read_is_caught_and_rerun(pair: PdPair, where: str) -> None:
+    """One flipped byte in a sliding-window page — received by the decode engine, or in the
+    prefill's page after it was digested — fails the read; the router re-runs it and the
+    client gets the colocated answer (0 wrong). Full attention and Mamba state:
+    ``test_pd_mamba``."""
+    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        wait_router_ready(router.url)
+        bodies = _digest_bodies(pair, f"window {where}")
+        run_injected(pair, router.url, bodies, where, "sliding_window", _same_tokens)
+    finally:
+        router.stop()
+    assert VERIFIED_LINE in pair.decode.log_text()
+
+
+def test_the_same_window_damage_unchecked_answers_wrong_tokens(pair: PdPair) -> None:
+    """The negative control: a received sliding-window page overwritten after the check (as
+    if nothing verified it) answers HTTP 200 with other tokens."""
+    same = run_uncaught_damage(
+        pair, _digest_bodies(pair, "unchecked", 3), "sliding_window", _same_tokens
+    )
+    assert not any(same), same
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -90,9 +153,6 @@ def test_the_router_asks_each_engines_side_channel_in_its_releases_form(pair: Pd
     release's side-channel form (the other form kills vLLM's listener thread): both layouts
     are read, and the engines still hand out their handshake and serve P/D afterwards. The
     version matrix runs this on every release (0.25.1 speaks the other form)."""
-    from vllm_hybrid_nixl.common.netutil import free_port
-    from vllm_hybrid_nixl.router.backends import BackendPool
-    from vllm_hybrid_nixl.router.server import RouterServer
 
     pool = BackendPool.from_urls(
         [pair.prefill.spec.url],

@@ -71,7 +71,7 @@ def _overwrite(worker, group: int, page: int) -> None:
         geometry = entry.geometry
         for offset, length in geometry.pieces:
             start = geometry.base + page * geometry.stride + offset
-            entry.storage[start:start + length] = 0x3C
+            entry.storage[start : start + length] = 0x3C
 
 
 def _group_of_kind(worker, kind: str, pages_by_group) -> int | None:
@@ -92,8 +92,11 @@ def _patch(module) -> None:
             group = _group_of_kind(self, kind, reads[0].local)
             if group is not None:
                 _flip(self, group, reads[0].local[group][0])
-                print(f"vllm-hybrid-nixl test hook: corrupted a received {kind} page of "
-                      f"{req_id}", file=sys.stderr, flush=True)
+                print(
+                    f"vllm-hybrid-nixl test hook: corrupted a received {kind} page of {req_id}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return received(self, req_id, reads)
 
     def corrupting_source(self, req_id, blocks):
@@ -107,8 +110,11 @@ def _patch(module) -> None:
             return
         with _lock:
             _restore[req_id] = _flip(self, group, pages[group][0])
-        print(f"vllm-hybrid-nixl test hook: corrupted a {kind} source page of {req_id}",
-              file=sys.stderr, flush=True)
+        print(
+            f"vllm-hybrid-nixl test hook: corrupted a {kind} source page of {req_id}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def restoring_get(self, req_id):
         with _lock:
@@ -126,8 +132,12 @@ def _patch(module) -> None:
             if kind is not None:
                 group = _group_of_kind(self, kind, reads[0].local)
                 _overwrite(self, group, reads[0].local[group][0])
-                print(f"vllm-hybrid-nixl test hook: overwrote a received {kind} page of "
-                      f"{req_id} after its check", file=sys.stderr, flush=True)
+                print(
+                    f"vllm-hybrid-nixl test hook: overwrote a received {kind} page of "
+                    f"{req_id} after its check",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return report(self, results, req_id, problem, check)
 
     table_get = module.DigestTable.get
@@ -151,8 +161,11 @@ class _PatchAfterLoad(importlib.abc.MetaPathFinder):
         def exec_module(module):
             original_exec(module)
             _patch(module)
-            print(f"vllm-hybrid-nixl test hook: KV corruption armed (pid {os.getpid()})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"vllm-hybrid-nixl test hook: KV corruption armed (pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
 
         loader.exec_module = exec_module
         return spec

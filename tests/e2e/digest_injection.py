@@ -1,0 +1,108 @@
+"""Corrupting KV in flight between real engines (``tests/harness/kv_corruption_site``) and
+checking that the end-to-end KV digest catches every corruption: the router re-runs each
+caught request and the client gets the colocated answer, never HTTP 200 with other tokens.
+
+The engines of ``test_pd_pull`` (sliding window + full attention) and ``test_pd_mamba``
+(Mamba2 + attention) run with the hook armed by a control file each; an idle hook changes
+nothing, so the other tests of those modules run as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.pd_fixture import PdPair, request_reruns
+
+HOOK_DIR = Path(__file__).resolve().parents[1] / "harness" / "kv_corruption_site"
+CONTROL_VARIABLE = "VLLM_HYBRID_NIXL_TEST_CORRUPT"
+ARMED_LINE = "vllm-hybrid-nixl test hook: KV corruption armed"
+MISMATCH_LINE = "KV digest mismatch for request"
+VERIFIED_LINE = "are verified byte for byte"
+
+
+def hooked_env(control: Path) -> dict[str, str]:
+    """An engine's environment with the corruption hook loaded and idle."""
+    control.write_text(json.dumps({"where": "none", "left": 0}))
+    path = [str(HOOK_DIR), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), CONTROL_VARIABLE: str(control)}
+
+
+def control_of(pair: PdPair, side: str) -> Path:
+    return Path(getattr(pair, side).spec.env[CONTROL_VARIABLE])
+
+
+def arm(control: Path, where: str, kind: str, count: int) -> None:
+    control.write_text(json.dumps({"where": where, "kind": kind, "left": count}))
+
+
+def fired(control: Path) -> int:
+    state = json.loads(control.read_text())
+    return int(state.get("done", 0)) if int(state.get("left", 0)) == 0 else -1
+
+
+def mismatches(pair: PdPair) -> int:
+    return pair.decode.log_text().count(MISMATCH_LINE)
+
+
+def run_injected(
+    pair: PdPair,
+    router_url: str,
+    bodies: list[dict],
+    where: str,
+    kind: str,
+    same: Callable[[dict, dict], bool],
+) -> None:
+    """Arm one corruption per body, send each through the router, and require: every
+    answer HTTP 200 and the same as the prefill engine alone, every corruption fired and
+    reported as a digest mismatch, every caught request re-run, both engines up."""
+    with httpx.Client(timeout=300) as client:
+        alone = [
+            client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()["choices"][0]
+            for body in bodies
+        ]
+        control = control_of(pair, "prefill" if where == "source" else "decode")
+        caught_before, reruns_before = mismatches(pair), request_reruns(router_url)
+        arm(control, where, kind, len(bodies))
+        wrong = []
+        for body, expected in zip(bodies, alone, strict=True):
+            answer = client.post(f"{router_url}/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            choice = answer.json()["choices"][0]
+            if not same(choice, expected):
+                wrong.append((body["prompt"][:40], choice["text"], expected["text"]))
+    assert fired(control) == len(bodies), f"the hook fired {fired(control)} of {len(bodies)}"
+    assert not wrong, f"HTTP 200 with wrong tokens: {wrong}"
+    assert mismatches(pair) - caught_before == len(bodies)
+    assert request_reruns(router_url) - reruns_before >= len(bodies)
+    for engine in (pair.prefill, pair.decode):
+        assert engine.alive()
+        httpx.get(f"{engine.spec.url}/health", timeout=30).raise_for_status()
+
+
+def run_uncaught_damage(
+    pair: PdPair, bodies: list[dict], kind: str, same: Callable[[dict, dict], bool]
+) -> list[bool]:
+    """The negative control: damage received pages *after* the digest check passed (as if
+    nothing checked), P/D straight to the engines; which answers still equal colocated."""
+    from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
+
+    control = control_of(pair, "decode")
+    results = []
+    with httpx.Client(timeout=300) as client:
+        alone = [
+            client.post(f"{pair.prefill.spec.url}/v1/completions", json=body).json()["choices"][0]
+            for body in bodies
+        ]
+        arm(control, "after-check", kind, len(bodies))
+        for body, expected in zip(bodies, alone, strict=True):
+            run = disaggregated_completion(
+                client, pair.prefill.spec.url, pair.decode.spec.url, body
+            )
+            results.append(same(run.decode_response["choices"][0], expected))
+    assert fired(control) == len(bodies)
+    return results
