@@ -45,6 +45,17 @@ EXTRA_CONFIG_KEYS = (
     ),
     Setting("lease_guard", "both engines (default `true`)", "`false` turns the lease guard off"),
     Setting(
+        "kv_digest",
+        "both workers (default `true`)",
+        "verify every KV read byte for byte: the prefill serves per-page digests (side-channel "
+        "port + 2000 + TP rank), the decode fails a read whose bytes differ; `false` turns it off",
+    ),
+    Setting(
+        "kv_digest_timeout",
+        "our decode worker (default 10)",
+        "seconds a completed read waits for its prefill's digests before it fails",
+    ),
+    Setting(
         "progress_poll_us",
         "our worker (default `0`; `1000` recommended on vLLM's CPU platform)",
         "NIXL's progress thread waits for transport events, at most this long, instead of "
@@ -73,7 +84,8 @@ ENVIRONMENT = (
     Setting(
         "VLLM_NIXL_SIDE_CHANNEL_PORT",
         "set by our launchers (a free port)",
-        "the side channel's port; the lease service listens 1000 above it",
+        "the side channel's port; the lease service listens 1000 above it, the KV digest "
+        "service 2000 above it (plus the TP rank)",
     ),
     Setting(
         "VLLM_CPU_KVCACHE_SPACE",

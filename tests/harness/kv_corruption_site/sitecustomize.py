@@ -11,7 +11,7 @@ next N reads that move a page of a KV-cache group of that kind (``full_attention
   the prefill digested it (so the decode reads other bytes than were digested); the byte is
   put back when the decode asks for the digests (its read is over by then), so a re-run
   that hits the prefill's prefix cache reads the right bytes.
-- ``after-check``: on the decode worker, the whole first page of that group is overwritten
+- ``after-check``: on the decode worker, every received page of that group is overwritten
   after the digest check passed: the negative control, showing such damage gives wrong tokens
   when nothing catches it.
 
