@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from tests.e2e.pd_fixture import PdPair, request_reruns
+from tests.e2e.pd_fixture import PdPair, metric_sum, request_reruns
 
 HOOK_DIR = Path(__file__).resolve().parents[1] / "harness" / "kv_corruption_site"
 CONTROL_VARIABLE = "VLLM_HYBRID_NIXL_TEST_CORRUPT"
@@ -45,8 +46,22 @@ def fired(control: Path) -> int:
     return int(state.get("done", 0)) if int(state.get("left", 0)) == 0 else -1
 
 
+METRIC = "vllm_hybrid_nixl_kv_digest_mismatches_total"
+
+
 def mismatches(pair: PdPair) -> int:
     return pair.decode.log_text().count(MISMATCH_LINE)
+
+
+def counted_mismatches(pair: PdPair, at_least: float, wait_s: float = 20.0) -> float:
+    """The decode engine's mismatch counter once it reached ``at_least`` (vLLM hands worker
+    stats to the API server with the next outputs), or its value after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        value = metric_sum(pair.decode.spec.url, METRIC)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
 
 
 def run_injected(
@@ -68,6 +83,7 @@ def run_injected(
         ]
         control = control_of(pair, "prefill" if where == "source" else "decode")
         caught_before, reruns_before = mismatches(pair), request_reruns(router_url)
+        counted_before = metric_sum(pair.decode.spec.url, METRIC)
         wrong, missed = [], 0
         for body, expected in zip(bodies, alone, strict=True):
             arm(control, where, kind, 1)
@@ -80,6 +96,8 @@ def run_injected(
     assert missed == 0, f"the hook did not fire for {missed} of {len(bodies)} requests"
     assert not wrong, f"HTTP 200 with wrong tokens: {wrong}"
     assert mismatches(pair) - caught_before == len(bodies)
+    counted = counted_mismatches(pair, counted_before + len(bodies)) - counted_before
+    assert counted == len(bodies), f"{METRIC} rose by {counted}, {len(bodies)} caught"
     assert request_reruns(router_url) - reruns_before >= len(bodies)
     for engine in (pair.prefill, pair.decode):
         assert engine.alive()

@@ -354,14 +354,17 @@ def digest_hooks_available() -> bool:
 
 
 def record_digest_mismatch(xfer_stats: Any) -> bool:
-    """Count a KV digest mismatch as a failed transfer in the NIXL worker's stats (0.32+:
-    ``vllm:nixl_num_failed_transfers`` on the engine's /metrics); False where the stats lack
-    that method."""
-    record = getattr(xfer_stats, "record_failed_transfer", None)
-    if record is None:
-        return False
-    record()
-    return True
+    """Count a KV digest mismatch in the NIXL worker's stats: as a failed transfer (0.32+:
+    ``vllm:nixl_num_failed_transfers``) and, where the stats are ours
+    (:mod:`.digest_metrics`), as ``vllm_hybrid_nixl_kv_digest_mismatches_total``; False
+    where the stats have neither."""
+    counted = False
+    for name in ("record_failed_transfer", "record_digest_mismatch"):
+        record = getattr(xfer_stats, name, None)
+        if record is not None:
+            record()
+            counted = True
+    return counted
 
 
 # ---- what the registration audit reads of vLLM's own descriptor computation ------------------

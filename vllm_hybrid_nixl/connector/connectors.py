@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.lease import LeaseHolderMixin
 from vllm_hybrid_nixl.connector.mamba_guard import refuse_unservable_mamba
 from vllm_hybrid_nixl.connector.side_channel import refuse_busy_side_channel
@@ -42,6 +43,22 @@ class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_conne
     """Pull-mode (READ) NIXL connector for hybrid models; the default."""
 
     _hybrid_worker_class = HybridNixlPullWorker
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        classes = stats_classes()
+        if classes is None:
+            return super().build_kv_connector_stats(data)
+        return classes[0](data=data) if data is not None else classes[0]()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        classes = stats_classes()
+        if classes is None:
+            return super().build_prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        return classes[1](vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 class HybridNixlPushConnector(_HybridWorkerMixin, _NIXL.push_connector):

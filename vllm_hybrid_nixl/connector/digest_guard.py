@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
 from vllm_hybrid_nixl.protocol.digest_wire import (
     DIGEST_PORT_OFFSET,
@@ -179,6 +180,9 @@ class DigestGuardMixin:
         self.digest_verified = 0
         self._digest_pool: ThreadPoolExecutor | None = None
         self.digest_mismatches = 0
+        classes = stats_classes()
+        if self._digest_on and classes is not None and hasattr(worker, "xfer_stats"):
+            worker.xfer_stats = classes[0]()  # counts mismatches for the engine's /metrics
 
     # ---- both roles: what to digest --------------------------------------------------------
 
