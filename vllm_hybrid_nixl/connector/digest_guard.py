@@ -243,7 +243,22 @@ class DigestGuardMixin:
             expect = getattr(metadata, EXPECT_ATTRIBUTE, None)
             if expect:
                 self._digest_expect.update(expect)
+            self._unverifiable_splits(metadata)
         return super().start_load_kv(metadata)  # type: ignore[misc]
+
+    def _unverifiable_splits(self, metadata: Any) -> None:
+        """Reads from a prefill of another TP size move parts of its pages (head splits), so
+        page digests cannot match: those reads are logged as unverified, not failed."""
+        worker: Any = self
+        own = int(getattr(worker, "transfer_tp_size", getattr(worker, "world_size", 1)))
+        for req_id, meta in (getattr(metadata, "reqs_to_recv", None) or {}).items():
+            remote_tp = int(getattr(meta, "tp_size", own) or own)
+            expect = self._digest_expect.get(req_id)
+            if remote_tp != own and expect is not None and expect.get("port"):
+                self._digest_expect[req_id] = {
+                    "engine": expect.get("engine", "?"),
+                    "why": f"a different tensor-parallel size (prefill {remote_tp}, decode {own})",
+                }
 
     def _digest_source(self, req_id: str, blocks: Sequence[Sequence[int]]) -> None:
         try:
@@ -431,11 +446,15 @@ class DigestGuardMixin:
         if engine in self._digest_unverified_warned:
             return
         self._digest_unverified_warned.add(engine)
+        why = (expect or {}).get("why") or (
+            "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, or "
+            "kv_digest: false on it)"
+        )
         logger.warning(
             "vllm-hybrid-nixl: KV reads from prefill engine %s are NOT verified byte for byte: "
-            "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, "
-            "kv_digest: false, or a different tensor-parallel size); first seen on request %s",
+            "%s; first seen on request %s",
             engine,
+            why,
             req_id,
         )
 

@@ -1,42 +1,33 @@
 """``vllm_hybrid_nixl_kv_digest_mismatches_total`` on a decode engine's /metrics: vLLM's NIXL
 transfer stats and Prometheus metrics with one more counter.
 
-A mismatch is recorded in the worker's transfer stats (which vLLM carries from the worker
-through the engine core to the API server) under :data:`MISMATCH_KEY`, and also as a failed
-transfer (``vllm:nixl_num_failed_transfers``). Built only where vLLM has the NIXL stats
-classes of 0.32+ (:func:`stats_classes`); elsewhere the connector keeps vLLM's own.
+A mismatch is recorded in the worker's transfer stats (which vLLM pickles from the worker
+through the engine core to the API server, so the classes live at module level) under
+:data:`MISMATCH_KEY`, and also as a failed transfer (``vllm:nixl_num_failed_transfers``).
+Built only where vLLM has the NIXL stats classes of 0.32+ (:func:`stats_classes`); elsewhere
+the connector keeps vLLM's own.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 MISMATCH_KEY = "num_kv_digest_mismatches"
 METRIC_NAME = "vllm_hybrid_nixl_kv_digest_mismatches"
 
-
-def _vllm_stats() -> tuple[type, type, Any] | None:
-    try:
-        stats = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats")
-        utils = importlib.import_module("vllm.v1.metrics.utils")
-    except ImportError:
-        return None
-    base_stats = getattr(stats, "NixlKVConnectorStats", None)
-    base_prom = getattr(stats, "NixlPromMetrics", None)
-    per_engine = getattr(utils, "create_metric_per_engine", None)
-    if base_stats is None or base_prom is None or per_engine is None:
-        return None
-    return base_stats, base_prom, per_engine
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+        NixlKVConnectorStats,
+        NixlPromMetrics,
+    )
+    from vllm.v1.metrics.utils import create_metric_per_engine
+except ImportError:  # releases before 0.32 keep their stats elsewhere: vLLM's own are used
+    NixlKVConnectorStats = NixlPromMetrics = create_metric_per_engine = None  # type: ignore
 
 
-def _build() -> tuple[type, type] | None:
-    found = _vllm_stats()
-    if found is None:
-        return None
-    base_stats, base_prom, per_engine = found
+if NixlKVConnectorStats is not None and NixlPromMetrics is not None:
 
-    class HybridNixlStats(base_stats):  # type: ignore[misc, valid-type]
+    class HybridNixlStats(NixlKVConnectorStats):  # type: ignore[misc, valid-type]
         """vLLM's NIXL transfer stats, plus KV digest mismatches."""
 
         def reset(self) -> None:
@@ -54,7 +45,7 @@ def _build() -> tuple[type, type] | None:
                 self.data.setdefault(key, [])
             return super().aggregate(other)
 
-    class HybridNixlPromMetrics(base_prom):  # type: ignore[misc, valid-type]
+    class HybridNixlPromMetrics(NixlPromMetrics):  # type: ignore[misc, valid-type]
         """vLLM's NIXL metrics, plus ``vllm_hybrid_nixl_kv_digest_mismatches_total``."""
 
         def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
@@ -65,22 +56,20 @@ def _build() -> tuple[type, type] | None:
                 "(vllm-hybrid-nixl's end-to-end KV digest); each is a failed KV load.",
                 labelnames=labelnames,
             )
-            self.counter_kv_digest_mismatches = per_engine(counter, self.per_engine_labelvalues)
+            self.counter_kv_digest_mismatches = create_metric_per_engine(
+                counter, self.per_engine_labelvalues
+            )
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             super().observe(transfer_stats_data, engine_idx)
             for value in transfer_stats_data.get(MISMATCH_KEY, ()):
                 self.counter_kv_digest_mismatches[engine_idx].inc(value)
 
-    return HybridNixlStats, HybridNixlPromMetrics
-
-
-_CLASSES: tuple[type, type] | None | bool = False
+    _CLASSES: tuple[type, type] | None = (HybridNixlStats, HybridNixlPromMetrics)
+else:
+    _CLASSES = None
 
 
 def stats_classes() -> tuple[type, type] | None:
     """(stats class, Prometheus metrics class), or None on releases without them."""
-    global _CLASSES
-    if _CLASSES is False:
-        _CLASSES = _build()
-    return _CLASSES  # type: ignore[return-value]
+    return _CLASSES
