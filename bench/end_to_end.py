@@ -211,7 +211,7 @@ def start_stack(
 ):
     """Prefill and decode engines (a core each) and the router process; returns
     (urls, stop), and the router's PID after them when asked."""
-    from vllm_hybrid_nixl.common.netutil import free_port
+    from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
     from vllm_hybrid_nixl.common.processes import die_with_parent
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
     from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
@@ -223,7 +223,7 @@ def start_stack(
                 model=model,
                 port=free_port(),
                 role=role,
-                side_channel_port=free_port(),
+                side_channel_port=free_side_channel_port(),
                 cpu_core=core,
                 extra_args=list(args),
                 kv_extra_config={**PACED, **(kv_extra_config or {})},

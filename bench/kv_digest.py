@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 import torch
 
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
@@ -117,7 +117,7 @@ def ttft(rounds: int) -> dict[str, object]:
             model=str(model),
             port=free_port(),
             role=role,
-            side_channel_port=free_port(),
+            side_channel_port=free_side_channel_port(),
             cpu_core=core,
             extra_args=list(ARGS),
             kv_extra_config=extra,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -65,7 +65,7 @@ def engines(model: Path, logs: Path) -> dict[str, EngineProcess]:
         "decode": EngineSpec(str(model), free_port(), "decode", cpu_core=1, extra_args=ARGS),
     }
     for spec in specs.values():
-        spec.side_channel_port = free_port()
+        spec.side_channel_port = free_side_channel_port()
     return {name: EngineProcess(spec, logs / f"{name}.log") for name, spec in specs.items()}
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.harness.releases import STOCK_REFUSAL
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
@@ -44,7 +44,7 @@ def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Itera
             model=str(model),
             port=free_port(),
             role=role,
-            side_channel_port=free_port(),
+            side_channel_port=free_side_channel_port(),
             **{"cpu_core": core, "extra_args": list(COMMON_ARGS), **overrides},
         )
         engines.append(EngineProcess(spec, log_dir / f"{role}.log"))
@@ -151,7 +151,7 @@ def stock_engine_spec(model: Path, env: dict[str, str] | None = None) -> EngineS
         model=str(model),
         port=free_port(),
         role="prefill",
-        side_channel_port=free_port(),
+        side_channel_port=free_side_channel_port(),
         cpu_core=1,
         connector="NixlConnector",
         env=dict(env or {}),

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS, wait_router_ready
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
@@ -60,7 +60,7 @@ def engines(tiny_hybrid_model, tmp_path_factory) -> Iterator[Engines]:
                 model=str(tiny_hybrid_model),
                 port=free_port(),
                 role=role,
-                side_channel_port=free_port(),
+                side_channel_port=free_side_channel_port(),
                 cpu_core=core,
                 connector=connector,
                 extra_args=_args_with_block_size(block_size),

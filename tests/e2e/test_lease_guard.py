@@ -26,7 +26,7 @@ from tests.e2e.lease_scenario import (
     prefill_legs,
 )
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair, wait_router_ready
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
@@ -62,7 +62,7 @@ def expiring(guarded: PdPair, tmp_path_factory) -> Iterator[EngineProcess]:
     spec = dataclasses.replace(
         guarded.prefill.spec,
         port=free_port(),
-        side_channel_port=free_port(),
+        side_channel_port=free_side_channel_port(),
         kv_extra_config={"kv_lease_duration": 0},
     )
     engine = EngineProcess(spec, tmp_path_factory.mktemp("lease-expiring") / "prefill.log")

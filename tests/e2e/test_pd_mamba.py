@@ -28,7 +28,7 @@ from tests.e2e.digest_injection import (
 from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
 from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair, wait_router_ready
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
@@ -170,7 +170,7 @@ def test_engines_with_different_ssm_state_dtypes_are_refused_by_name(
     spec = dataclasses.replace(
         pair.decode.spec,
         port=free_port(),
-        side_channel_port=free_port(),
+        side_channel_port=free_side_channel_port(),
         extra_args=[*pair.decode.spec.extra_args, "--mamba-ssm-cache-dtype", "bfloat16"],
     )
     decode = EngineProcess(spec, tmp_path / "decode-bf16.log").start()
@@ -222,7 +222,7 @@ def test_prefix_caching_on_a_mamba_model_is_refused_at_start_up(
     spec = dataclasses.replace(
         pair.prefill.spec,
         port=free_port(),
-        side_channel_port=free_port(),
+        side_channel_port=free_side_channel_port(),
         extra_args=[*pair.prefill.spec.extra_args, "--enable-prefix-caching"],
     )
     engine = EngineProcess(spec, tmp_path / "refused.log").start()

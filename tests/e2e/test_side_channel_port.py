@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector.side_channel import SideChannelPortInUse, refuse_busy_side_channel
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 
@@ -72,7 +72,7 @@ def test_engine_with_a_taken_lease_port_exits_with_the_reason(
             model=str(tiny_hybrid_model),
             port=free_port(),
             role="prefill",
-            side_channel_port=free_port(),
+            side_channel_port=free_side_channel_port(),
             kv_extra_config={"lease_port": port},
             extra_args=["--enforce-eager", "--max-model-len", "512", "--block-size", "64"],
         )

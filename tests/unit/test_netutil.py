@@ -52,3 +52,22 @@ def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch) -> None:
         monkeypatch.setattr(netutil._random, "randint", lambda low, high: next(candidates))
         monkeypatch.setattr(netutil, "pick_range", lambda ephemeral: (1, 65535))
         assert free_port() == spare
+
+
+def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_range() -> None:
+    """The lease (+1000) and digest (+2000 + rank) ports an engine derives from its side
+    channel must not fall where outgoing connections take ports."""
+    from vllm_hybrid_nixl.common.netutil import (
+        SIDE_CHANNEL_SPAN,
+        can_bind,
+        free_side_channel_port,
+    )
+
+    ephemeral = ephemeral_range()
+    for _ in range(20):
+        port = free_side_channel_port()
+        for derived in (port, port + 1000, port + 2000):
+            assert can_bind("127.0.0.1", derived)
+        if ephemeral is not None:
+            start, end = ephemeral
+            assert port + SIDE_CHANNEL_SPAN < start or port > end

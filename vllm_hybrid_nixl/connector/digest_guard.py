@@ -60,6 +60,11 @@ KEEP_S = 900.0
 MAX_KEPT = 100_000
 #: Between two questions for digests the prefill has not computed yet.
 PENDING_RETRY_S = 0.02
+#: Digest questions under way at once (each waits on the network, not on a core).
+DIGEST_THREADS = 8
+#: Completed reads a decode worker remembers while they wait to be reported (never reported:
+#: notify-only reads, aborts); the oldest are dropped beyond this.
+MAX_TRACKED = 10_000
 
 
 class DigestSettingError(ValueError):
@@ -112,6 +117,7 @@ class _Read:
     remote_rank: int
     local: list[list[int]]
     remote: list[list[int]]
+    engine: str = "?"  # the prefill engine read from
 
 
 @dataclass
@@ -124,6 +130,10 @@ class _Check:
     engine: str
     remote_req: str
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def where(self) -> str:
+        return f"prefill request {self.remote_req} on engine {self.engine}"
 
 
 class DigestTable:
@@ -171,8 +181,8 @@ class DigestGuardMixin:
         self._digest_kinds: list[str] = []
         self._digest_table = DigestTable()
         self._digest_server: DigestServer | None = None
-        self._digest_expect: dict[str, dict[str, Any]] = {}
-        self._digest_reads: dict[str, list[_Read]] = {}
+        self._digest_expect: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._digest_reads: OrderedDict[str, list[_Read]] = OrderedDict()
         self._digest_reading: str | None = None
         self._digest_checks: dict[str, _Check] = {}
         self._digest_unverified_warned: set[str] = set()
@@ -209,7 +219,9 @@ class DigestGuardMixin:
         host, _ = compat.side_channel_env()
         port = digest_port_base(worker.vllm_config) + int(worker.tp_rank)
         try:
-            self._digest_server = DigestServer(self._digest_table.get, host, port)
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} is out of range")
+            self._digest_server = _bind_with_retries(self._digest_table.get, host, port)
         except Exception as exc:
             raise RuntimeError(
                 f"vllm-hybrid-nixl: the KV digest service of TP rank {worker.tp_rank} could "
@@ -243,6 +255,7 @@ class DigestGuardMixin:
             expect = getattr(metadata, EXPECT_ATTRIBUTE, None)
             if expect:
                 self._digest_expect.update(expect)
+                _bound(self._digest_expect)
             self._unverifiable_splits(metadata)
         return super().start_load_kv(metadata)  # type: ignore[misc]
 
@@ -252,12 +265,13 @@ class DigestGuardMixin:
         worker: Any = self
         own = int(getattr(worker, "transfer_tp_size", getattr(worker, "world_size", 1)))
         for req_id, meta in (getattr(metadata, "reqs_to_recv", None) or {}).items():
-            remote_tp = int(getattr(meta, "tp_size", own) or own)
+            remote_tp = getattr(meta, "tp_size", own)  # from kv_transfer_params: client data
             expect = self._digest_expect.get(req_id)
             if remote_tp != own and expect is not None and expect.get("port"):
                 self._digest_expect[req_id] = {
                     "engine": expect.get("engine", "?"),
-                    "why": f"a different tensor-parallel size (prefill {remote_tp}, decode {own})",
+                    "why": f"another tensor-parallel size (prefill {remote_tp!r:.20}, "
+                    f"decode {own})",
                 }
 
     def _digest_source(self, req_id: str, blocks: Sequence[Sequence[int]]) -> None:
@@ -280,14 +294,21 @@ class DigestGuardMixin:
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *a, **kw):
         if not self._digest_on:
             return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+        if not any(len(group) for group in read_spec.local_block_ids):
+            # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
+            # and vLLM never reports it finished.
+            self._digest_expect.pop(request_id, None)
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
         reads = self._digest_reads.setdefault(request_id, [])
         reads.append(
             _Read(
                 int(read_spec.remote_rank),
                 [list(g) for g in read_spec.local_block_ids],
                 [list(g) for g in read_spec.remote_block_ids],
+                str(dst_engine_id),
             )
         )
+        _bound(self._digest_reads)
         self._digest_reading = request_id
         try:
             return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
@@ -318,7 +339,7 @@ class DigestGuardMixin:
             if not reads:
                 continue  # nothing moved (a full local prefix hit)
             if expect is None or not expect.get("port"):
-                self._warn_unverified(req_id, expect)
+                self._warn_unverified(req_id, expect, reads[0].engine)
                 continue
             results.finished_recving.discard(req_id)
             try:
@@ -334,15 +355,25 @@ class DigestGuardMixin:
                     ),
                     None,
                 )
+        now = time.monotonic()
         for req_id, check in list(self._digest_checks.items()):
-            if not check.future.done():
+            overdue = now > check.started + self._digest_timeout_s + 1.0
+            if not check.future.done() and not overdue:
                 continue
             del self._digest_checks[req_id]
             try:
+                if not check.future.done():
+                    raise DigestAskFailed(
+                        f"no answer within {self._digest_timeout_s:g} s (kv_digest_timeout)"
+                    )
                 problem = self._verdict(req_id, check)
+            except DigestAskFailed as exc:
+                problem = self._failure(
+                    req_id, check.where, f"no usable KV digest came back: {exc}"
+                )
             except Exception as exc:  # noqa: BLE001 - never raise out of the engine's step
                 problem = self._failure(
-                    req_id, check.remote_req, f"its digests could not be compared: {exc!r:.300}"
+                    req_id, check.where, f"its digests could not be compared: {exc!r:.300}"
                 )
             self._report(results, req_id, problem, check)
         return results
@@ -373,20 +404,24 @@ class DigestGuardMixin:
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
         if self._digest_pool is None:
-            self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix="hybrid-nixl-digest")
+            self._digest_pool = ThreadPoolExecutor(
+                DIGEST_THREADS, thread_name_prefix="hybrid-nixl-digest"
+            )
         host, base, remote_req = str(expect["host"]), int(expect["port"]), str(expect["req"])
         ranks = sorted({read.remote_rank for read in reads})
+        started = time.monotonic()
         future = self._digest_pool.submit(
             _fetch_all,
             {rank: endpoint_of(host, base + rank) for rank in ranks},
             remote_req,
             self._digest_timeout_s,
+            started + self._digest_timeout_s,
         )
-        return _Check(reads, local, future, str(expect.get("engine", "?")), remote_req)
+        return _Check(reads, local, future, str(expect.get("engine", "?")), remote_req, started)
 
     def _verdict(self, req_id: str, check: _Check) -> str:
         """Empty when every received page equals the prefill's; else the error message."""
-        where = f"prefill request {check.remote_req} on engine {check.engine}"
+        where = check.where
         try:
             fetched: dict[int, dict[int, GroupDigests]] = check.future.result()
         except DigestAskFailed as exc:
@@ -441,14 +476,14 @@ class DigestGuardMixin:
         worker: Any = self
         compat.record_digest_mismatch(getattr(worker, "xfer_stats", None))
 
-    def _warn_unverified(self, req_id: str, expect: dict[str, Any] | None) -> None:
-        engine = str((expect or {}).get("engine", "?"))
+    def _warn_unverified(self, req_id: str, expect: dict[str, Any] | None, engine: str) -> None:
         if engine in self._digest_unverified_warned:
             return
         self._digest_unverified_warned.add(engine)
         why = (expect or {}).get("why") or (
-            "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, or "
-            "kv_digest: false on it)"
+            "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, "
+            "kv_digest: false on it, or lease_guard: false on either engine: the digest's "
+            "port travels in the lease value)"
         )
         logger.warning(
             "vllm-hybrid-nixl: KV reads from prefill engine %s are NOT verified byte for byte: "
@@ -459,12 +494,33 @@ class DigestGuardMixin:
         )
 
 
+#: A derived digest port held by a short-lived connection is asked for again this long.
+BIND_RETRY_S = 10.0
+
+
+def _bind_with_retries(lookup: Any, host: str, port: int) -> DigestServer:
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            return DigestServer(lookup, host, port)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _bound(entries: OrderedDict) -> None:
+    """Drop the oldest entries beyond :data:`MAX_TRACKED`."""
+    while len(entries) > MAX_TRACKED:
+        entries.popitem(last=False)
+
+
 def _fetch_all(
-    endpoints: dict[int, str], remote_req: str, timeout_s: float
+    endpoints: dict[int, str], remote_req: str, timeout_s: float, deadline: float
 ) -> dict[int, dict[int, GroupDigests]]:
     """Every rank's digests of ``remote_req``, asking again while they are pending or the
-    service does not answer, until ``timeout_s``; raises :class:`DigestAskFailed`."""
-    deadline = time.monotonic() + timeout_s
+    service does not answer, until ``deadline`` (``time.monotonic``); raises
+    :class:`DigestAskFailed`."""
     fetched: dict[int, dict[int, GroupDigests]] = {}
     for rank, endpoint in endpoints.items():
         last = "no answer"
@@ -478,13 +534,11 @@ def _fetch_all(
                 last = str(exc)
                 time.sleep(min(PENDING_RETRY_S * 5, max(0.0, deadline - time.monotonic())))
                 continue
-            if found is None:
-                raise DigestAskFailed(
-                    f"TP rank {rank} ({endpoint}) does not know prefill request {remote_req} "
-                    "(restarted, or its digests were dropped)"
-                )
-            if isinstance(found, str):
-                last = "digests still pending"
+            if found is None or isinstance(found, str):
+                # Not digested yet (the prefill digests the step after the request finished,
+                # two under asynchronous scheduling) or unknown (restarted, digests dropped):
+                # asked again until the deadline, then the read fails.
+                last = f"no digests of prefill request {remote_req} (unknown or pending)"
                 time.sleep(PENDING_RETRY_S)
                 continue
             fetched[rank] = found

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, answers_health
 from vllm_hybrid_nixl.deploy.placement import machine_id
 
@@ -63,7 +63,7 @@ class EngineActor:
             port=free_port(node_ip),
             role=role,
             connector=connector,
-            side_channel_port=free_port(node_ip),
+            side_channel_port=free_side_channel_port(node_ip),
             host=node_ip,
             cpu_core=cpu_core if kv_buffer_device == "cpu" else None,
             kv_buffer_device=kv_buffer_device,
