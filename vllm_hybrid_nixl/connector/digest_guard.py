@@ -291,27 +291,33 @@ class DigestGuardMixin:
 
     # ---- decode rank: which pages each read moved ------------------------------------------
 
-    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *a, **kw):
+    def _read_blocks(self, *args: Any, **kwargs: Any) -> Any:
         if not self._digest_on:
-            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
+        # (read_spec, dst_engine_id, request_id, ...) as digest_hooks_available checked
+        named = dict(zip(("read_spec", "dst_engine_id", "request_id"), args, strict=False))
+        named.update(
+            {k: kwargs[k] for k in ("read_spec", "dst_engine_id", "request_id") if k in kwargs}
+        )
+        read_spec, request_id = named["read_spec"], str(named["request_id"])
         if not any(len(group) for group in read_spec.local_block_ids):
             # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
             # and vLLM never reports it finished.
             self._digest_expect.pop(request_id, None)
-            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         reads = self._digest_reads.setdefault(request_id, [])
         reads.append(
             _Read(
                 int(read_spec.remote_rank),
                 [list(g) for g in read_spec.local_block_ids],
                 [list(g) for g in read_spec.remote_block_ids],
-                str(dst_engine_id),
+                str(named["dst_engine_id"]),
             )
         )
         _bound(self._digest_reads)
         self._digest_reading = request_id
         try:
-            return super()._read_blocks(read_spec, dst_engine_id, request_id, *a, **kw)  # type: ignore[misc]
+            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._digest_reading = None
 
