@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,9 +55,12 @@ DEFAULT_DIGEST_TIMEOUT_S = 10.0
 #: Connector-metadata attributes the schedulers hand their workers.
 SOURCES_ATTRIBUTE = "hybrid_digest_sources"  # prefill: {request: logical blocks per group}
 EXPECT_ATTRIBUTE = "hybrid_digest_expect"  # decode: {request: where its digests are}
-#: A prefill worker keeps a request's digests this long after computing them.
+#: A prefill worker keeps a request's digests this long after computing them, at most
+#: :data:`AFTER_SENT_S` after its blocks were reported sent, within a count and a byte budget.
 KEEP_S = 900.0
+AFTER_SENT_S = 60.0
 MAX_KEPT = 100_000
+MAX_BYTES = 256 << 20
 #: Between two questions for digests the prefill has not computed yet.
 PENDING_RETRY_S = 0.02
 #: Digest questions under way at once (each waits on the network, not on a core).
@@ -137,23 +140,46 @@ class _Check:
 
 
 class DigestTable:
-    """A prefill worker's digests by request, kept :data:`KEEP_S` (at most
-    :data:`MAX_KEPT`); thread-safe (the digest service reads it)."""
+    """A prefill worker's digests by request: kept until :data:`AFTER_SENT_S` after vLLM
+    reported the request's blocks sent (the decode asks right after its read), else
+    :data:`KEEP_S`, and within :data:`MAX_KEPT` entries and :data:`MAX_BYTES`; thread-safe
+    (the digest service reads it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[float, dict[int, GroupDigests]]] = OrderedDict()
+        self._sent: deque[tuple[float, str]] = deque()
+        self._bytes = 0
+
+    @staticmethod
+    def _size(digests: dict[int, GroupDigests]) -> int:
+        return sum(d.pages.nbytes + d.lanes.nbytes for d in digests.values())
+
+    def _drop(self, req_id: str) -> None:
+        entry = self._entries.pop(req_id, None)
+        if entry is not None:
+            self._bytes -= self._size(entry[1])
 
     def put(self, req_id: str, digests: dict[int, GroupDigests]) -> None:
         now = time.monotonic()
         with self._lock:
+            self._drop(req_id)
             self._entries[req_id] = (now, digests)
-            self._entries.move_to_end(req_id)
+            self._bytes += self._size(digests)
+            while self._sent and self._sent[0][0] < now:
+                self._drop(self._sent.popleft()[1])
             while self._entries and (
                 len(self._entries) > MAX_KEPT
+                or self._bytes > MAX_BYTES
                 or next(iter(self._entries.values()))[0] < now - KEEP_S
             ):
-                self._entries.popitem(last=False)
+                self._drop(next(iter(self._entries)))
+
+    def sent(self, req_ids: Iterable[str]) -> None:
+        """vLLM reported these requests' blocks sent: forget them soon."""
+        deadline = time.monotonic() + AFTER_SENT_S
+        with self._lock:
+            self._sent.extend((deadline, r) for r in req_ids if r in self._entries)
 
     def get(self, req_id: str) -> dict[int, GroupDigests] | None:
         with self._lock:
@@ -300,6 +326,14 @@ class DigestGuardMixin:
             {k: kwargs[k] for k in ("read_spec", "dst_engine_id", "request_id") if k in kwargs}
         )
         read_spec, request_id = named["read_spec"], str(named["request_id"])
+        if getattr(read_spec, "block_ids_by_region", False):
+            # Region-mapped (MLA caches grouped differently on the two sides): ids are per
+            # NIXL region, not per KV-cache group, so page digests cannot be paired.
+            expect = self._digest_expect.get(request_id)
+            if expect is not None:
+                expect["why"] = "region-mapped reads (MLA layouts grouped differently)"
+                expect.pop("port", None)
+            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         if not any(len(group) for group in read_spec.local_block_ids):
             # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
             # and vLLM never reports it finished.
@@ -336,10 +370,20 @@ class DigestGuardMixin:
         results = super().get_transfer_results()  # type: ignore[misc]
         if not self._digest_on:
             return results
+        if results.finished_sending:
+            self._digest_table.sent(results.finished_sending)
         for req_id in list(results.finished_recving):
             reads = self._digest_reads.pop(req_id, None)
             expect = self._digest_expect.pop(req_id, None)
-            if req_id in results.failed_recving or not reads:
+            if req_id in results.failed_recving:
+                continue
+            if not reads:
+                if expect is not None and expect.get("port"):
+                    self._warn_unverified(
+                        req_id,
+                        {"why": "its read took a path the digest does not see (report this)"},
+                        str(expect.get("engine", "?")),
+                    )
                 continue
             reads = [r for r in reads if any(r.local)]
             if not reads:

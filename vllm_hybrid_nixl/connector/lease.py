@@ -216,7 +216,11 @@ class LeaseHolderMixin:
         config = vllm_config.kv_transfer_config
         self._lease_guard = bool(config.get_from_extra_config(GUARD_KEY, True))
         if not self._lease_guard:
-            logger.warning("vllm-hybrid-nixl: the KV lease guard is off (lease_guard: false)")
+            logger.warning(
+                "vllm-hybrid-nixl: the KV lease guard is off (lease_guard: false); reads "
+                "through this engine are not verified by the KV digest either (its port "
+                "travels in the lease value)"
+            )
             return
         self._lease_policy = compat.kv_load_failure_policy(config)
         self._lease_timeout_s = float(config.get_from_extra_config(TIMEOUT_KEY, 2.0))

@@ -105,6 +105,7 @@ class DigestServer:
         self._socket = zmq.Context.instance().socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._socket.setsockopt(zmq.SNDHWM, 64)  # replies queued for askers that never read
         bind_host = f"[{host}]" if ":" in host else host
         try:
             self._socket.bind(f"tcp://{bind_host}:{port}")
