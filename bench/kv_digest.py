@@ -42,7 +42,7 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
 ARGS = ["--enforce-eager", "--max-model-len", "2048", "--block-size", "64"]
-PROMPT_WORDS = 1000  # ~1k tokens with the tiny model's tokenizer
+PROMPT_TOKENS = 1000
 
 
 def _layers(pages: int, page_bytes: int, count: int):
@@ -104,14 +104,24 @@ def digest_speed(repeats: int = 5) -> dict[str, float]:
     }
 
 
-def _prompt(round_index: int) -> str:
-    words = [f"w{(round_index * 7919 + i) % 997}" for i in range(PROMPT_WORDS)]
-    return f"round {round_index}: " + " ".join(words)
+def _prompt(tokenizer, round_index: int, tokens: int = PROMPT_TOKENS) -> str:
+    """A prompt unique to ``round_index`` (no prefix-cache hit) of about ``tokens`` tokens."""
+    words = [f"round {round_index}:"]
+    step = 64
+    while len(tokenizer(" ".join(words))["input_ids"]) < tokens:
+        words += [f"w{(round_index * 7919 + len(words) + i) % 997}" for i in range(step)]
+        if step > 1 and len(tokenizer(" ".join(words))["input_ids"]) > tokens:
+            words = words[:-step]
+            step = max(1, step // 4)
+    return " ".join(words)
 
 
 def ttft(rounds: int) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix="bench-digest-"))
     model = build_tiny_model(work / "model", TinyModelSpec())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     specs = {
         name: EngineSpec(
             model=str(model),
@@ -139,14 +149,14 @@ def ttft(rounds: int) -> dict[str, object]:
         decode_url = specs["decode"].url
         with httpx.Client(timeout=300) as client:
             for warm in ("on", "off"):
-                body = {"model": str(model), "prompt": _prompt(-1), "max_tokens": 1}
+                body = {"model": str(model), "prompt": _prompt(tokenizer, -1), "max_tokens": 1}
                 disaggregated_completion(client, specs[warm].url, decode_url, body)
             for index in range(rounds):
                 order = ("on", "off") if index % 2 == 0 else ("off", "on")
                 for arm in order:
                     body = {
                         "model": str(model),
-                        "prompt": _prompt(index * 2 + (arm == "on")),
+                        "prompt": _prompt(tokenizer, index * 2 + (arm == "on")),
                         "max_tokens": 1,
                         "temperature": 0.0,
                     }

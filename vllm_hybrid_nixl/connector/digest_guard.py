@@ -211,6 +211,7 @@ class DigestGuardMixin:
         self._digest_reads: OrderedDict[str, list[_Read]] = OrderedDict()
         self._digest_reading: str | None = None
         self._digest_checks: dict[str, _Check] = {}
+        self._digest_prefetch: OrderedDict[str, tuple[list[int], Future]] = OrderedDict()
         self._digest_unverified_warned: set[str] = set()
         self._digest_verified_told: set[str] = set()
         self.digest_verified = 0
@@ -349,6 +350,8 @@ class DigestGuardMixin:
             )
         )
         _bound(self._digest_reads)
+        if len(reads) == 1:
+            self._prefetch(request_id, int(read_spec.remote_rank))
         self._digest_reading = request_id
         try:
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
@@ -376,6 +379,7 @@ class DigestGuardMixin:
             reads = self._digest_reads.pop(req_id, None)
             expect = self._digest_expect.pop(req_id, None)
             if req_id in results.failed_recving:
+                self._digest_prefetch.pop(req_id, None)
                 continue
             if not reads:
                 if expect is not None and expect.get("port"):
@@ -438,14 +442,25 @@ class DigestGuardMixin:
             return
         self.digest_verified += 1
         engine = check.engine if check is not None else "?"
+        if check is None:
+            return
+        answer = check.future.result()
+        timing = (
+            f"{(answer.answered - check.started) * 1e3:.1f} ms to the answer, "
+            f"{(time.monotonic() - check.started) * 1e3:.1f} ms to the report, "
+            f"{answer.asks} question(s)"
+        )
         if engine not in self._digest_verified_told:
             self._digest_verified_told.add(engine)
             logger.info(
                 "vllm-hybrid-nixl: KV reads from prefill engine %s are verified byte for byte "
-                "(first: request %s)",
+                "(first: request %s, %s)",
                 engine,
                 req_id,
+                timing,
             )
+        else:
+            logger.debug("vllm-hybrid-nixl: request %s verified (%s)", req_id, timing)
 
     def received_digests(self, req_id: str, reads: list[_Read]) -> list[dict[int, np.ndarray]]:
         """The received pages' digests, read by read (the corruption tests wrap this)."""
@@ -453,27 +468,51 @@ class DigestGuardMixin:
 
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
+        ranks = sorted({read.remote_rank for read in reads})
+        started = time.monotonic()
+        prefetched = self._digest_prefetch.pop(req_id, None)
+        usable = (
+            prefetched is not None
+            and prefetched[0] == ranks
+            and not (prefetched[1].done() and prefetched[1].exception() is not None)
+        )
+        future = prefetched[1] if usable else self._fetch(expect, ranks, started)
+        engine, remote_req = str(expect.get("engine", "?")), str(expect["req"])
+        return _Check(reads, local, future, engine, remote_req, started)
+
+    def _fetch(self, expect: dict[str, Any], ranks: list[int], started: float) -> Future:
+        """Ask the prefill ranks for their digests in the background."""
         if self._digest_pool is None:
             self._digest_pool = ThreadPoolExecutor(
                 DIGEST_THREADS, thread_name_prefix="hybrid-nixl-digest"
             )
-        host, base, remote_req = str(expect["host"]), int(expect["port"]), str(expect["req"])
-        ranks = sorted({read.remote_rank for read in reads})
-        started = time.monotonic()
-        future = self._digest_pool.submit(
+        host, base = str(expect["host"]), int(expect["port"])
+        return self._digest_pool.submit(
             _fetch_all,
             {rank: endpoint_of(host, base + rank) for rank in ranks},
-            remote_req,
+            str(expect["req"]),
             self._digest_timeout_s,
             started + self._digest_timeout_s,
         )
-        return _Check(reads, local, future, str(expect.get("engine", "?")), remote_req, started)
+
+    def _prefetch(self, request_id: str, remote_rank: int) -> None:
+        """Ask for the digests as the read starts, so they are in when it completes (the
+        answer does not depend on the read: the prefill digested before its response)."""
+        expect = self._digest_expect.get(request_id)
+        if expect is None or not expect.get("port") or request_id in self._digest_prefetch:
+            return
+        try:
+            future = self._fetch(expect, [remote_rank], time.monotonic())
+        except Exception:  # noqa: BLE001 - the check after the read asks again
+            return
+        self._digest_prefetch[request_id] = ([remote_rank], future)
+        _bound(self._digest_prefetch)
 
     def _verdict(self, req_id: str, check: _Check) -> str:
         """Empty when every received page equals the prefill's; else the error message."""
         where = check.where
         try:
-            fetched: dict[int, dict[int, GroupDigests]] = check.future.result()
+            fetched = check.future.result().digests
         except DigestAskFailed as exc:
             return self._failure(req_id, where, f"no usable KV digest came back: {exc}")
         except Exception as exc:  # noqa: BLE001 - every failure fails the read, by name
@@ -565,19 +604,30 @@ def _bound(entries: OrderedDict) -> None:
         entries.popitem(last=False)
 
 
+@dataclass
+class _Fetched:
+    """Every rank's digests, how many questions it took and when the last answer came."""
+
+    digests: dict[int, dict[int, GroupDigests]]
+    asks: int
+    answered: float
+
+
 def _fetch_all(
     endpoints: dict[int, str], remote_req: str, timeout_s: float, deadline: float
-) -> dict[int, dict[int, GroupDigests]]:
+) -> _Fetched:
     """Every rank's digests of ``remote_req``, asking again while they are pending or the
     service does not answer, until ``deadline`` (``time.monotonic``); raises
     :class:`DigestAskFailed`."""
     fetched: dict[int, dict[int, GroupDigests]] = {}
+    asks = 0
     for rank, endpoint in endpoints.items():
         last = "no answer"
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DigestAskFailed(f"TP rank {rank} ({endpoint}): {last} within {timeout_s:g} s")
+            asks += 1
             try:
                 found = ask_digests(endpoint, remote_req, min(left, 2.0))
             except DigestAskFailed as exc:
@@ -593,4 +643,4 @@ def _fetch_all(
                 continue
             fetched[rank] = found
             break
-    return fetched
+    return _Fetched(fetched, asks, time.monotonic())

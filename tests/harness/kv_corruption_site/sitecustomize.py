@@ -9,8 +9,9 @@ next N reads that move a page of a KV-cache group of that kind (``full_attention
   after NIXL wrote it and before the digest check reads it.
 - ``source``: on the prefill worker, one byte of the first page of that group, right after
   the prefill digested it (so the decode reads other bytes than were digested); the byte is
-  put back when the decode asks for the digests (its read is over by then), so a re-run
-  that hits the prefill's prefix cache reads the right bytes.
+  put back when the prefill worker reports the request's blocks sent (the read is over, the
+  blocks not yet freed). Use prompts shorter than a block, or no prefix caching: a re-run
+  must not hit the damaged page in the prefill's prefix cache.
 - ``after-check``: on the decode worker, every received page of that group is overwritten
   after the digest check passed: the negative control, showing such damage gives wrong tokens
   when nothing catches it.
@@ -116,13 +117,15 @@ def _patch(module) -> None:
             flush=True,
         )
 
-    def restoring_get(self, req_id):
-        with _lock:
-            damaged = _restore.pop(req_id, None)
-        if damaged is not None:
-            storage, where, before = damaged
-            storage[where] = before
-        return table_get(self, req_id)
+    def restoring_results(self):
+        results = results_of(self)
+        for req_id in results.finished_sending or ():
+            with _lock:
+                damaged = _restore.pop(req_id, None)
+            if damaged is not None:  # read and reported sent; not freed before this returns
+                storage, where, before = damaged
+                storage[where] = before
+        return results
 
     def damaging_report(self, results, req_id, problem, check):
         reads = check.reads if check is not None else None
@@ -140,12 +143,12 @@ def _patch(module) -> None:
                 )
         return report(self, results, req_id, problem, check)
 
-    table_get = module.DigestTable.get
+    results_of = mixin.get_transfer_results
     report = mixin._report
     mixin.received_digests = corrupting_received
     mixin._digest_source = corrupting_source
     mixin._report = damaging_report
-    module.DigestTable.get = restoring_get
+    mixin.get_transfer_results = restoring_results
 
 
 class _PatchAfterLoad(importlib.abc.MetaPathFinder):
