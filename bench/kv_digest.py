@@ -7,13 +7,14 @@ pages of 32 KiB (64 MiB), torch limited to one thread, against ``index_select`` 
 same pages (the memcpy NIXL's loopback read amounts to).
 
 TTFT: one decode engine (core 1) and two prefill engines (core 0), the tiny sliding-window
-hybrid, HybridNixlConnector everywhere; one prefill runs ``kv_digest: true`` (its lease value
-names its digest port, so the decode verifies every read), the other ``kv_digest: false``
-(the decode logs its reads as unverified and uses them). Each round sends one prompt of ~1k
-tokens through each prefill in turn (order alternating), prefill leg then a decode leg of one
-token; TTFT is the wall time of both legs. ``kv_digest_ttft_ratio`` = TTFT p50 on / off.
+hybrid, HybridNixlConnector everywhere (NIXL's progress thread paced, ``progress_poll_us``);
+one prefill runs ``kv_digest: true`` (its lease value names its digest port, so the decode
+verifies every read), the other ``kv_digest: false`` (the decode logs its reads as
+unverified and uses them). Each round sends one prompt of ~1k tokens through each prefill in
+turn (order alternating), prefill leg then a decode leg of one token; TTFT is the wall time
+of both legs. ``kv_digest_ttft_ratio`` = TTFT p50 on / off.
 
-    python -m bench.kv_digest [--rounds 20]
+    python -m bench.kv_digest [--rounds 30]
 
 Writes ``bench/results/kv_digest.json`` and ``kv_digest_ttft_ratio``,
 ``kv_digest_gb_per_s`` and ``kv_digest_vs_memcpy_one_core`` into ``bench/results/latest.json``.
@@ -35,6 +36,7 @@ import torch
 
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
+from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
 from vllm_hybrid_nixl.protocol.layout import LayerDescription, check_layout
@@ -43,6 +45,9 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 RESULTS = Path(__file__).parent / "results"
 ARGS = ["--enforce-eager", "--max-model-len", "2048", "--block-size", "64"]
 PROMPT_TOKENS = 1000
+#: NIXL's progress thread paced on all three engines: busy-polling threads of three engines
+#: on two cores made single reads take 80-735 ms here, noise that hid what the digest costs.
+PACED = {POLL_KEY: DEFAULT_POLL_US}
 
 
 def _layers(pages: int, page_bytes: int, count: int):
@@ -133,9 +138,9 @@ def ttft(rounds: int) -> dict[str, object]:
             kv_extra_config=extra,
         )
         for name, role, core, extra in (
-            ("on", "prefill", 0, {"kv_digest": True}),
-            ("off", "prefill", 0, {"kv_digest": False}),
-            ("decode", "decode", 1, {}),
+            ("on", "prefill", 0, {"kv_digest": True, **PACED}),
+            ("off", "prefill", 0, {"kv_digest": False, **PACED}),
+            ("decode", "decode", 1, dict(PACED)),
         )
     }
     engines = {name: EngineProcess(spec, work / f"{name}.log") for name, spec in specs.items()}
@@ -182,7 +187,7 @@ def ttft(rounds: int) -> dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--speed-only", action="store_true")
     args = parser.parse_args()

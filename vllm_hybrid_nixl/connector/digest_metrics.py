@@ -71,5 +71,8 @@ else:
 
 
 def stats_classes() -> tuple[type, type] | None:
-    """(stats class, Prometheus metrics class), or None on releases without them."""
-    return _CLASSES
+    """(stats class, Prometheus metrics class), or None on releases without them or without
+    the KV digest (vLLM's own classes are used there)."""
+    from vllm_hybrid_nixl.connector import compat
+
+    return _CLASSES if compat.digest_hooks_available() else None
