@@ -27,7 +27,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +37,10 @@ from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
 from vllm_hybrid_nixl.protocol.digest_wire import (
     DIGEST_PORT_OFFSET,
+    DigestAsker,
     DigestAskFailed,
     DigestServer,
     GroupDigests,
-    ask_digests,
     endpoint_of,
 )
 from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND
@@ -61,10 +60,8 @@ KEEP_S = 900.0
 AFTER_SENT_S = 60.0
 MAX_KEPT = 100_000
 MAX_BYTES = 256 << 20
-#: Between two questions for digests the prefill has not computed yet.
-PENDING_RETRY_S = 0.02
-#: Digest questions under way at once (each waits on the network, not on a core).
-DIGEST_THREADS = 8
+#: A question sent as a read starts may wait this many ``kv_digest_timeout`` for its answer.
+PREFETCH_DEADLINE_FACTOR = 3
 #: Completed reads a decode worker remembers while they wait to be reported (never reported:
 #: notify-only reads, aborts); the oldest are dropped beyond this.
 MAX_TRACKED = 10_000
@@ -129,10 +126,12 @@ class _Check:
 
     reads: list[_Read]
     local: list[dict[int, np.ndarray]]  # per read: group -> received pages' lanes
-    future: Future
+    endpoints: dict[int, str]  # remote TP rank -> its digest service
     engine: str
     remote_req: str
     started: float = field(default_factory=time.monotonic)
+    answers: dict[int, dict[int, GroupDigests]] = field(default_factory=dict)
+    answered: float = 0.0
 
     @property
     def where(self) -> str:
@@ -211,11 +210,10 @@ class DigestGuardMixin:
         self._digest_reads: OrderedDict[str, list[_Read]] = OrderedDict()
         self._digest_reading: str | None = None
         self._digest_checks: dict[str, _Check] = {}
-        self._digest_prefetch: OrderedDict[str, tuple[list[int], Future]] = OrderedDict()
+        self._digest_asker = DigestAsker()
         self._digest_unverified_warned: set[str] = set()
         self._digest_verified_told: set[str] = set()
         self.digest_verified = 0
-        self._digest_pool: ThreadPoolExecutor | None = None
         self.digest_mismatches = 0
         classes = stats_classes()
         if self._digest_on and classes is not None and hasattr(worker, "xfer_stats"):
@@ -379,7 +377,10 @@ class DigestGuardMixin:
             reads = self._digest_reads.pop(req_id, None)
             expect = self._digest_expect.pop(req_id, None)
             if req_id in results.failed_recving:
-                self._digest_prefetch.pop(req_id, None)
+                if expect is not None and expect.get("port") and reads:
+                    for rank in {read.remote_rank for read in reads}:
+                        endpoint = endpoint_of(str(expect["host"]), int(expect["port"]) + rank)
+                        self._digest_asker.forget(endpoint, str(expect["req"]))
                 continue
             if not reads:
                 if expect is not None and expect.get("port"):
@@ -409,28 +410,44 @@ class DigestGuardMixin:
                     ),
                     None,
                 )
+        self._digest_asker.poll()
         now = time.monotonic()
         for req_id, check in list(self._digest_checks.items()):
-            overdue = now > check.started + self._digest_timeout_s + 1.0
-            if not check.future.done() and not overdue:
-                continue
-            del self._digest_checks[req_id]
             try:
-                if not check.future.done():
+                if not self._collect(check) and now <= check.started + self._digest_timeout_s:
+                    continue
+                del self._digest_checks[req_id]
+                if len(check.answers) < len(check.endpoints):
                     raise DigestAskFailed(
                         f"no answer within {self._digest_timeout_s:g} s (kv_digest_timeout)"
                     )
                 problem = self._verdict(req_id, check)
             except DigestAskFailed as exc:
+                self._digest_checks.pop(req_id, None)
                 problem = self._failure(
                     req_id, check.where, f"no usable KV digest came back: {exc}"
                 )
             except Exception as exc:  # noqa: BLE001 - never raise out of the engine's step
+                self._digest_checks.pop(req_id, None)
                 problem = self._failure(
                     req_id, check.where, f"its digests could not be compared: {exc!r:.300}"
                 )
-            self._report(results, req_id, problem, check)
+            if req_id not in self._digest_checks:
+                for endpoint in check.endpoints.values():
+                    self._digest_asker.forget(endpoint, check.remote_req)
+                self._report(results, req_id, problem, check)
         return results
+
+    def _collect(self, check: _Check) -> bool:
+        """Take the answers that came in; True once every rank answered (raises
+        :class:`DigestAskFailed` for a rank whose question failed)."""
+        for rank, endpoint in check.endpoints.items():
+            if rank not in check.answers:
+                found = self._digest_asker.answer(endpoint, check.remote_req)
+                if found is not None:
+                    check.answers[rank] = found
+                    check.answered = time.monotonic()
+        return len(check.answers) == len(check.endpoints)
 
     def _report(self, results: Any, req_id: str, problem: str, check: _Check | None) -> None:
         """Hand a checked read to the scheduler: done, and failed when ``problem``."""
@@ -444,12 +461,9 @@ class DigestGuardMixin:
         engine = check.engine if check is not None else "?"
         if check is None:
             return
-        answer = check.future.result()
-        timing = (
-            f"{(answer.answered - check.started) * 1e3:.1f} ms to the answer, "
-            f"{(time.monotonic() - check.started) * 1e3:.1f} ms to the report, "
-            f"{answer.asks} question(s)"
-        )
+        answered = (check.answered - check.started) * 1e3
+        reported = (time.monotonic() - check.started) * 1e3
+        timing = f"digests taken {answered:.1f} ms and reported {reported:.1f} ms after the read"
         if engine not in self._digest_verified_told:
             self._digest_verified_told.add(engine)
             logger.info(
@@ -468,55 +482,32 @@ class DigestGuardMixin:
 
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
-        ranks = sorted({read.remote_rank for read in reads})
         started = time.monotonic()
-        prefetched = self._digest_prefetch.pop(req_id, None)
-        usable = (
-            prefetched is not None
-            and prefetched[0] == ranks
-            and not (prefetched[1].done() and prefetched[1].exception() is not None)
-        )
-        future = prefetched[1] if usable else self._fetch(expect, ranks, started)
-        engine, remote_req = str(expect.get("engine", "?")), str(expect["req"])
-        return _Check(reads, local, future, engine, remote_req, started)
-
-    def _fetch(self, expect: dict[str, Any], ranks: list[int], started: float) -> Future:
-        """Ask the prefill ranks for their digests in the background."""
-        if self._digest_pool is None:
-            self._digest_pool = ThreadPoolExecutor(
-                DIGEST_THREADS, thread_name_prefix="hybrid-nixl-digest"
-            )
         host, base = str(expect["host"]), int(expect["port"])
-        return self._digest_pool.submit(
-            _fetch_all,
-            {rank: endpoint_of(host, base + rank) for rank in ranks},
-            str(expect["req"]),
-            self._digest_timeout_s,
-            started + self._digest_timeout_s,
-        )
+        endpoints = {
+            rank: endpoint_of(host, base + rank) for rank in sorted({r.remote_rank for r in reads})
+        }
+        remote_req = str(expect["req"])
+        for endpoint in endpoints.values():  # under way already when prefetched
+            self._digest_asker.ask(endpoint, remote_req, started + self._digest_timeout_s)
+        return _Check(reads, local, endpoints, str(expect.get("engine", "?")), remote_req, started)
 
     def _prefetch(self, request_id: str, remote_rank: int) -> None:
         """Ask for the digests as the read starts, so they are in when it completes (the
-        answer does not depend on the read: the prefill digested before its response)."""
+        answer does not depend on the read: the prefill digested before its response). Its
+        deadline leaves the read time to finish; the check's own deadline counts from the
+        read's completion."""
         expect = self._digest_expect.get(request_id)
-        if expect is None or not expect.get("port") or request_id in self._digest_prefetch:
+        if expect is None or not expect.get("port"):
             return
-        try:
-            future = self._fetch(expect, [remote_rank], time.monotonic())
-        except Exception:  # noqa: BLE001 - the check after the read asks again
-            return
-        self._digest_prefetch[request_id] = ([remote_rank], future)
-        _bound(self._digest_prefetch)
+        endpoint = endpoint_of(str(expect["host"]), int(expect["port"]) + remote_rank)
+        deadline = time.monotonic() + PREFETCH_DEADLINE_FACTOR * self._digest_timeout_s
+        self._digest_asker.ask(endpoint, str(expect["req"]), deadline)
 
     def _verdict(self, req_id: str, check: _Check) -> str:
         """Empty when every received page equals the prefill's; else the error message."""
         where = check.where
-        try:
-            fetched = check.future.result().digests
-        except DigestAskFailed as exc:
-            return self._failure(req_id, where, f"no usable KV digest came back: {exc}")
-        except Exception as exc:  # noqa: BLE001 - every failure fails the read, by name
-            return self._failure(req_id, where, f"the digest question failed: {exc!r:.300}")
+        fetched = check.answers
         for read, local in zip(check.reads, check.local, strict=True):
             remote_groups = fetched.get(read.remote_rank, {})
             for group, lanes in local.items():
@@ -602,45 +593,3 @@ def _bound(entries: OrderedDict) -> None:
     """Drop the oldest entries beyond :data:`MAX_TRACKED`."""
     while len(entries) > MAX_TRACKED:
         entries.popitem(last=False)
-
-
-@dataclass
-class _Fetched:
-    """Every rank's digests, how many questions it took and when the last answer came."""
-
-    digests: dict[int, dict[int, GroupDigests]]
-    asks: int
-    answered: float
-
-
-def _fetch_all(
-    endpoints: dict[int, str], remote_req: str, timeout_s: float, deadline: float
-) -> _Fetched:
-    """Every rank's digests of ``remote_req``, asking again while they are pending or the
-    service does not answer, until ``deadline`` (``time.monotonic``); raises
-    :class:`DigestAskFailed`."""
-    fetched: dict[int, dict[int, GroupDigests]] = {}
-    asks = 0
-    for rank, endpoint in endpoints.items():
-        last = "no answer"
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DigestAskFailed(f"TP rank {rank} ({endpoint}): {last} within {timeout_s:g} s")
-            asks += 1
-            try:
-                found = ask_digests(endpoint, remote_req, min(left, 2.0))
-            except DigestAskFailed as exc:
-                last = str(exc)
-                time.sleep(min(PENDING_RETRY_S * 5, max(0.0, deadline - time.monotonic())))
-                continue
-            if found is None or isinstance(found, str):
-                # Not digested yet (the prefill digests the step after the request finished,
-                # two under asynchronous scheduling) or unknown (restarted, digests dropped):
-                # asked again until the deadline, then the read fails.
-                last = f"no digests of prefill request {remote_req} (unknown or pending)"
-                time.sleep(PENDING_RETRY_S)
-                continue
-            fetched[rank] = found
-            break
-    return _Fetched(fetched, asks, time.monotonic())

@@ -19,6 +19,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,3 +191,122 @@ def read_reply(raw: bytes, remote_req: str, where: str) -> dict[int, GroupDigest
         return {int(group): GroupDigests.from_wire(value) for group, value in groups.items()}
     except (ValueError, TypeError) as exc:
         raise DigestAskFailed(f"{where} answered unusable digests: {exc}") from exc
+
+
+@dataclass
+class _Question:
+    deadline: float
+    retry_at: float
+    asks: int = 0
+    last: str = "no answer"
+
+
+class DigestAsker:
+    """Non-blocking digest questions for one thread (a decode worker's engine thread): one
+    ZeroMQ DEALER per endpoint, questions sent without waiting, answers collected by
+    :meth:`poll` (no thread of its own, so nothing waits for the GIL behind a busy engine).
+    A question answered ``pending`` or ``unknown``, or unanswered, is asked again every
+    :data:`RETRY_S` until its deadline; then it fails with the last reason."""
+
+    RETRY_S = 0.02
+    #: An unanswered question is sent again after this long (a lost or restarted service).
+    RESEND_S = 2.0
+    MAX_ANSWERS = 10_000
+
+    def __init__(self) -> None:
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._questions: dict[tuple[str, str], _Question] = {}
+        self._answers: dict[tuple[str, str], dict[int, GroupDigests] | DigestAskFailed] = {}
+
+    def ask(self, endpoint: str, remote_req: str, deadline: float) -> None:
+        """Ask ``endpoint`` for ``remote_req``'s digests (again only if not under way)."""
+        key = (endpoint, remote_req)
+        if key in self._questions or key in self._answers:
+            return
+        self._questions[key] = _Question(deadline, 0.0)
+        self._send(key, time.monotonic())
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        socket = self._sockets.get(endpoint)
+        if socket is None:
+            socket = zmq.Context.instance().socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            socket.connect(endpoint)
+            self._sockets[endpoint] = socket
+        return socket
+
+    def _send(self, key: tuple[str, str], now: float) -> None:
+        question = self._questions[key]
+        question.asks += 1
+        question.retry_at = now + self.RESEND_S
+        message = json.dumps({"op": "digest", "req": key[1]}).encode()
+        try:
+            self._socket(key[0]).send_multipart([b"", message], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            question.last = f"could not send to {key[0]}: {exc}"
+            question.retry_at = now + self.RETRY_S
+
+    def answer(self, endpoint: str, remote_req: str) -> dict[int, GroupDigests] | None:
+        """The digests once in (None while under way); raises :class:`DigestAskFailed`
+        when the question failed. Either way the answer is then forgotten."""
+        found = self._answers.pop((endpoint, remote_req), None)
+        if isinstance(found, DigestAskFailed):
+            raise found
+        return found
+
+    def forget(self, endpoint: str, remote_req: str) -> None:
+        self._questions.pop((endpoint, remote_req), None)
+        self._answers.pop((endpoint, remote_req), None)
+
+    def poll(self) -> None:
+        """Collect every reply that arrived, ask again where due, fail what is overdue."""
+        for endpoint, socket in self._sockets.items():
+            while True:
+                try:
+                    frames = socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    logger.warning("vllm-hybrid-nixl: digest reply from %s: %s", endpoint, exc)
+                    break
+                self._take(endpoint, frames[-1] if frames else b"")
+        while len(self._answers) > self.MAX_ANSWERS:  # answers nobody came back for
+            self._answers.pop(next(iter(self._answers)))
+        now = time.monotonic()
+        for key, question in list(self._questions.items()):
+            if now > question.deadline:
+                del self._questions[key]
+                self._answers[key] = DigestAskFailed(
+                    f"{key[0]}: {question.last} by the deadline ({question.asks} question(s))"
+                )
+            elif now >= question.retry_at:
+                self._send(key, now)
+
+    def _take(self, endpoint: str, raw: bytes) -> None:
+        try:
+            req = json.loads(raw).get("req")
+        except (ValueError, RecursionError, AttributeError):
+            return  # not ours to match; the question is asked again or times out
+        key = (endpoint, req) if isinstance(req, str) else None
+        question = self._questions.get(key) if key else None
+        if question is None:
+            return  # a late answer to a question already settled
+        where = f"the prefill worker's digest service at {endpoint}"
+        try:
+            found = read_reply(raw, req, where)
+        except DigestAskFailed as exc:
+            question.last = str(exc)
+            question.retry_at = time.monotonic() + self.RETRY_S
+            return
+        if found is None or isinstance(found, str):
+            question.last = f"no digests of prefill request {req} (unknown or pending)"
+            question.retry_at = time.monotonic() + self.RETRY_S
+            return
+        del self._questions[key]
+        self._answers[key] = found
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close()
+        self._sockets.clear()
