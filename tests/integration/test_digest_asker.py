@@ -75,3 +75,18 @@ def test_a_reply_that_is_not_the_protocol_is_ignored_until_the_deadline() -> Non
         poll_until(asker, endpoint, "req-3")
     asker.close()
     liar.close()
+
+
+def test_a_failed_question_is_asked_again_by_a_later_deadline() -> None:
+    """A question sent as a read started that failed (the service was down) must not fail the
+    check made when the read completes: that one asks again."""
+    port = free_port()
+    endpoint = endpoint_of("127.0.0.1", port)
+    asker = DigestAsker()
+    asker.ask(endpoint, "req-4", time.monotonic() + 0.2)
+    time.sleep(0.3)
+    asker.poll()  # the first question is failed now, and kept as such
+    DigestServer(lambda r: READY, "127.0.0.1", port)
+    asker.ask(endpoint, "req-4", time.monotonic() + 10)
+    assert poll_until(asker, endpoint, "req-4")[0].of() == READY[0].of()
+    asker.close()

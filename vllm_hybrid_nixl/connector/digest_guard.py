@@ -410,7 +410,10 @@ class DigestGuardMixin:
                     ),
                     None,
                 )
-        self._digest_asker.poll()
+        try:
+            self._digest_asker.poll()
+        except Exception:  # noqa: BLE001 - unanswered checks fail by their deadlines
+            logger.exception("vllm-hybrid-nixl: collecting KV digest answers failed")
         now = time.monotonic()
         for req_id, check in list(self._digest_checks.items()):
             try:

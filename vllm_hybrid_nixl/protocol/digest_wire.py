@@ -89,7 +89,10 @@ def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
     req = request.get("req")
     if not isinstance(req, str) or not 0 < len(req) <= MAX_ID_CHARS:
         return _error(f"req must be a request id (a string of 1..{MAX_ID_CHARS} characters)")
-    found = lookup(req)
+    try:
+        found = lookup(req)
+    except Exception as exc:  # noqa: BLE001 - the asker learns why, by its request id
+        return {"req": req, "error": f"the digest service failed on it: {exc!r:.200}"}
     if found is None:
         return {"req": req, "state": "unknown"}
     if isinstance(found, str):
@@ -173,6 +176,11 @@ def read_reply(raw: bytes, remote_req: str, where: str) -> dict[int, GroupDigest
         reply = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise DigestAskFailed(f"{where} answered something that is not JSON") from exc
+    return read_parsed(reply, remote_req, where)
+
+
+def read_parsed(reply: object, remote_req: str, where: str) -> dict[int, GroupDigests] | str | None:
+    """As :func:`read_reply`, for a reply already parsed from JSON."""
     if not isinstance(reply, dict):
         raise DigestAskFailed(f"{where} answered a {type(reply).__name__}, not an object")
     if "error" in reply:
@@ -212,21 +220,44 @@ class DigestAsker:
     #: An unanswered question is sent again after this long (a lost or restarted service).
     RESEND_S = 2.0
     MAX_ANSWERS = 10_000
+    #: An answer not taken this long after it came is dropped (its read failed or went).
+    KEEP_ANSWER_S = 120.0
+    #: A connection with no question this long is closed (prefill engines come and go).
+    IDLE_CLOSE_S = 300.0
 
     def __init__(self) -> None:
         self._sockets: dict[str, zmq.Socket] = {}
         self._questions: dict[tuple[str, str], _Question] = {}
-        self._answers: dict[tuple[str, str], dict[int, GroupDigests] | DigestAskFailed] = {}
+        self._answers: dict[
+            tuple[str, str], tuple[float, dict[int, GroupDigests] | DigestAskFailed]
+        ] = {}
+        self._used: dict[str, float] = {}
 
     def ask(self, endpoint: str, remote_req: str, deadline: float) -> None:
         """Ask ``endpoint`` for ``remote_req``'s digests (again only if not under way)."""
         key = (endpoint, remote_req)
-        if key in self._questions or key in self._answers:
+        running = self._questions.get(key)
+        if running is not None:
+            running.deadline = max(running.deadline, deadline)
             return
+        stored = self._answers.get(key)
+        if stored is not None and not isinstance(stored[1], DigestAskFailed):
+            return
+        self._answers.pop(key, None)  # a failed one is asked again, by the new deadline
         self._questions[key] = _Question(deadline, 0.0)
         self._send(key, time.monotonic())
 
+    def _close_idle(self, now: float) -> None:
+        asked = {endpoint for endpoint, _ in self._questions}
+        for endpoint, used in list(self._used.items()):
+            if endpoint not in asked and used < now - self.IDLE_CLOSE_S:
+                socket = self._sockets.pop(endpoint, None)
+                if socket is not None:
+                    socket.close()
+                del self._used[endpoint]
+
     def _socket(self, endpoint: str) -> zmq.Socket:
+        self._used[endpoint] = time.monotonic()
         socket = self._sockets.get(endpoint)
         if socket is None:
             socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -250,7 +281,8 @@ class DigestAsker:
     def answer(self, endpoint: str, remote_req: str) -> dict[int, GroupDigests] | None:
         """The digests once in (None while under way); raises :class:`DigestAskFailed`
         when the question failed. Either way the answer is then forgotten."""
-        found = self._answers.pop((endpoint, remote_req), None)
+        stored = self._answers.pop((endpoint, remote_req), None)
+        found = stored[1] if stored is not None else None
         if isinstance(found, DigestAskFailed):
             raise found
         return found
@@ -271,30 +303,38 @@ class DigestAsker:
                     logger.warning("vllm-hybrid-nixl: digest reply from %s: %s", endpoint, exc)
                     break
                 self._take(endpoint, frames[-1] if frames else b"")
-        while len(self._answers) > self.MAX_ANSWERS:  # answers nobody came back for
-            self._answers.pop(next(iter(self._answers)))
         now = time.monotonic()
+        while self._answers and (  # answers nobody came back for
+            len(self._answers) > self.MAX_ANSWERS
+            or next(iter(self._answers.values()))[0] < now - self.KEEP_ANSWER_S
+        ):
+            self._answers.pop(next(iter(self._answers)))
+        self._close_idle(now)
         for key, question in list(self._questions.items()):
             if now > question.deadline:
                 del self._questions[key]
-                self._answers[key] = DigestAskFailed(
-                    f"{key[0]}: {question.last} by the deadline ({question.asks} question(s))"
+                self._answers[key] = (
+                    now,
+                    DigestAskFailed(
+                        f"{key[0]}: {question.last} by the deadline ({question.asks} question(s))"
+                    ),
                 )
             elif now >= question.retry_at:
                 self._send(key, now)
 
     def _take(self, endpoint: str, raw: bytes) -> None:
         try:
-            req = json.loads(raw).get("req")
-        except (ValueError, RecursionError, AttributeError):
+            reply = json.loads(raw)
+        except (ValueError, RecursionError):
             return  # not ours to match; the question is asked again or times out
+        req = reply.get("req") if isinstance(reply, dict) else None
         key = (endpoint, req) if isinstance(req, str) else None
         question = self._questions.get(key) if key else None
         if question is None:
             return  # a late answer to a question already settled
         where = f"the prefill worker's digest service at {endpoint}"
         try:
-            found = read_reply(raw, req, where)
+            found = read_parsed(reply, req, where)
         except DigestAskFailed as exc:
             question.last = str(exc)
             question.retry_at = time.monotonic() + self.RETRY_S
@@ -304,9 +344,10 @@ class DigestAsker:
             question.retry_at = time.monotonic() + self.RETRY_S
             return
         del self._questions[key]
-        self._answers[key] = found
+        self._answers[key] = (time.monotonic(), found)
 
     def close(self) -> None:
         for socket in self._sockets.values():
             socket.close()
         self._sockets.clear()
+        self._used.clear()
