@@ -117,12 +117,26 @@ class DigestServer:
             self._socket.close()
             raise
         self.endpoint = f"tcp://{bind_host}:{port}"
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hybrid-nixl-digest", daemon=True)
         self._thread.start()
 
+    def close(self) -> None:
+        """Stop serving and free the port (the serving thread closes its own socket)."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
     def _serve(self) -> None:
-        while True:
+        try:
+            self._serve_until_stopped()
+        finally:
+            self._socket.close()
+
+    def _serve_until_stopped(self) -> None:
+        while not self._stop.is_set():
             try:
+                if not self._socket.poll(100):
+                    continue
                 raw = self._socket.recv()
             except zmq.ContextTerminated:
                 return
