@@ -55,7 +55,7 @@ def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch) -> None:
 
 
 def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_range() -> None:
-    """The lease (+1000) and digest (+2000 + rank) ports an engine derives from its side
+    """The lease (+1000) and digest (+3000 + rank) ports an engine derives from its side
     channel must not fall where outgoing connections take ports."""
     from vllm_hybrid_nixl.common.netutil import (
         SIDE_CHANNEL_SPAN,
@@ -66,7 +66,7 @@ def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_
     ephemeral = ephemeral_range()
     for _ in range(20):
         port = free_side_channel_port()
-        for derived in (port, port + 1000, port + 2000):
+        for derived in (port, port + 1000, port + 3000):
             assert can_bind("127.0.0.1", derived)
         if ephemeral is not None:
             start, end = ephemeral

@@ -29,7 +29,7 @@ import zmq
 logger = logging.getLogger("vllm.hybrid_nixl.digest")
 
 #: Digest ports sit this far above the NIXL side-channel port (the lease service: +1000).
-DIGEST_PORT_OFFSET = 2000
+DIGEST_PORT_OFFSET = 3000  # Ray Serve LLM gives decode replicas the side channel + 2000
 MAX_REQUEST_BYTES = 4096
 MAX_ID_CHARS = 256
 #: Largest reply a decode worker reads (a 1M-token prompt at block 16 is ~2 MB per group).
