@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
+from vllm_hybrid_nixl.connector.kv_cache_facts import describe_cache
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion
-from vllm_hybrid_nixl.protocol.layout import LayerDescription, check_layout
+from vllm_hybrid_nixl.protocol.layout import check_layout
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -54,22 +55,15 @@ def _layers(pages: int, page_bytes: int, count: int):
     layers = []
     for index in range(count):
         cache = torch.randint(-(2**31), 2**31 - 1, (pages, page_bytes // 4), dtype=torch.int32)
-        storage = cache.untyped_storage()
-        description = LayerDescription(
-            name=f"layer.{index}",
+        description = describe_cache(
+            f"layer.{index}",
+            cache,
             spec_kind="full_attention",
             spec_type="FullAttentionSpec",
             group_id=0,
             num_blocks=pages,
             ratio=1,
             page_size=page_bytes,
-            shape=tuple(cache.shape),
-            stride=tuple(cache.stride()),
-            element_size=4,
-            dtype="int32",
-            data_ptr=cache.data_ptr(),
-            storage_ptr=storage.data_ptr(),
-            storage_nbytes=storage.nbytes(),
         )
         layers.append((cache, description))
     validated = check_layout([d for _, d in layers])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_hybrid_nixl.connector.kv_cache_facts import describe_cache
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester, page_geometry, reference_digest
 from vllm_hybrid_nixl.protocol.block_bytes import block_ranges
 from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, LayerDescription, check_layout
@@ -22,22 +23,15 @@ NUM_BLOCKS = 6
 def describe(
     name: str, cache: torch.Tensor, kind: str, group: int, ratio: int, page: int, state: int = 0
 ) -> LayerDescription:
-    storage = cache.untyped_storage()
-    return LayerDescription(
-        name=name,
+    return describe_cache(
+        name,
+        cache,
         spec_kind=kind,
         spec_type="MambaSpec" if kind == MAMBA_KIND else "FullAttentionSpec",
         group_id=group,
         num_blocks=NUM_BLOCKS,
         ratio=ratio,
         page_size=page,
-        shape=tuple(cache.shape),
-        stride=tuple(cache.stride()),
-        element_size=cache.element_size(),
-        dtype=str(cache.dtype).removeprefix("torch."),
-        data_ptr=cache.data_ptr(),
-        storage_ptr=storage.data_ptr(),
-        storage_nbytes=storage.nbytes(),
         state_bytes=state,
     )
 

@@ -401,8 +401,7 @@ class DigestGuardMixin:
             if req_id in results.failed_recving:
                 if expect is not None and expect.get("port") and reads:
                     for rank in {read.remote_rank for read in reads}:
-                        endpoint = endpoint_of(str(expect["host"]), int(expect["port"]) + rank)
-                        self._digest_asker.forget(endpoint, str(expect["req"]))
+                        self._digest_asker.forget(_endpoint(expect, rank), str(expect["req"]))
                 continue
             if not reads:
                 if expect is not None and expect.get("port"):
@@ -412,9 +411,6 @@ class DigestGuardMixin:
                         str(expect.get("engine", "?")),
                     )
                 continue
-            reads = [r for r in reads if any(r.local)]
-            if not reads:
-                continue  # nothing moved (a full local prefix hit)
             if expect is None or not expect.get("port"):
                 self._warn_unverified(req_id, expect, reads[0].engine)
                 continue
@@ -508,9 +504,8 @@ class DigestGuardMixin:
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
         started = time.monotonic()
-        host, base = str(expect["host"]), int(expect["port"])
         endpoints = {
-            rank: endpoint_of(host, base + rank) for rank in sorted({r.remote_rank for r in reads})
+            rank: _endpoint(expect, rank) for rank in sorted({r.remote_rank for r in reads})
         }
         remote_req = str(expect["req"])
         for endpoint in endpoints.values():  # under way already when prefetched
@@ -525,7 +520,7 @@ class DigestGuardMixin:
         expect = self._digest_expect.get(request_id)
         if expect is None or not expect.get("port"):
             return
-        endpoint = endpoint_of(str(expect["host"]), int(expect["port"]) + remote_rank)
+        endpoint = _endpoint(expect, remote_rank)
         deadline = time.monotonic() + PREFETCH_DEADLINE_FACTOR * self._digest_timeout_s
         self._digest_asker.ask(endpoint, str(expect["req"]), deadline)
 
@@ -612,6 +607,11 @@ def _bind_with_retries(lookup: Any, host: str, port: int) -> DigestServer:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def _endpoint(expect: dict[str, Any], rank: int) -> str:
+    """The digest service of prefill TP rank ``rank``, from the scheduler's expectation."""
+    return endpoint_of(str(expect["host"]), int(expect["port"]) + rank)
 
 
 def _bound(entries: OrderedDict) -> None:

@@ -2,7 +2,8 @@
 
 Used by the worker at registration (from the live engine) and by ``check`` (from the
 configuration vLLM computes for the given engine arguments), so both produce the same
-fingerprint for the same settings.
+fingerprint for the same settings. :func:`describe_cache` turns one cache tensor into the
+layout check's plain description.
 """
 
 from __future__ import annotations
@@ -13,8 +14,27 @@ from typing import Any
 
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.protocol.fingerprint import GroupFingerprint, LayoutFingerprint
+from vllm_hybrid_nixl.protocol.layout import LayerDescription
 
 MAMBA_KINDS = ("mamba",)
+
+
+def describe_cache(name: str, cache: Any, **spec: Any) -> LayerDescription:
+    """The layout check's description of layer ``name``'s cache tensor: its geometry and
+    storage read from the tensor, its spec facts (kind, type, group, blocks, ratio, page,
+    state bytes) as given."""
+    storage = cache.untyped_storage()
+    return LayerDescription(
+        name=name,
+        shape=tuple(cache.shape),
+        stride=tuple(cache.stride()),
+        element_size=cache.element_size(),
+        dtype=str(cache.dtype).removeprefix("torch."),
+        data_ptr=cache.data_ptr(),
+        storage_ptr=storage.data_ptr(),
+        storage_nbytes=storage.nbytes(),
+        **spec,
+    )
 
 
 def spec_kind(spec: Any) -> str:

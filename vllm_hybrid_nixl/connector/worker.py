@@ -18,7 +18,12 @@ import torch
 
 from vllm_hybrid_nixl.connector import compat, thread_priority
 from vllm_hybrid_nixl.connector.digest_guard import DigestGuardMixin
-from vllm_hybrid_nixl.connector.kv_cache_facts import fingerprint_of, spec_kind, state_bytes
+from vllm_hybrid_nixl.connector.kv_cache_facts import (
+    describe_cache,
+    fingerprint_of,
+    spec_kind,
+    state_bytes,
+)
 from vllm_hybrid_nixl.connector.lease import LeaseReaderMixin
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY, paced_agents
 from vllm_hybrid_nixl.connector.registration_audit import AuditSummary, audit_registration
@@ -117,23 +122,16 @@ def describe_layers(
             facts = (kind, type(spec).__name__, int(spec.page_size_bytes), state)
             spec_facts[id(spec)] = facts
         kind, spec_type, page_size, state = facts
-        storage = cache.untyped_storage()
         layers.append(
-            LayerDescription(
-                name=name,
+            describe_cache(
+                name,
+                cache,
                 spec_kind=kind,
                 spec_type=spec_type,
                 group_id=group_id,
                 num_blocks=num_blocks,
                 ratio=ratio,
                 page_size=page_size,
-                shape=tuple(cache.shape),
-                stride=tuple(cache.stride()),
-                element_size=cache.element_size(),
-                dtype=str(cache.dtype).removeprefix("torch."),
-                data_ptr=cache.data_ptr(),
-                storage_ptr=storage.data_ptr(),
-                storage_nbytes=storage.nbytes(),
                 state_bytes=state,
             )
         )

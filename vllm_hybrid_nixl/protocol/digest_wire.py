@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from vllm_hybrid_nixl.protocol.reply_loop import serve_replies
+
 logger = logging.getLogger("vllm.hybrid_nixl.digest")
 
 #: Digest ports sit this far above the NIXL side-channel port (the lease service: +1000).
@@ -133,27 +135,13 @@ class DigestServer:
             self._socket.close()
 
     def _serve_until_stopped(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._socket.poll(100):
-                    continue
-                raw = self._socket.recv()
-            except zmq.ContextTerminated:
-                return
-            except zmq.ZMQError as exc:
-                logger.warning("vllm-hybrid-nixl: digest service receive failed: %s", exc)
-                continue
-            try:
-                reply = answer(raw, self._lookup)
-            except Exception as exc:  # noqa: BLE001 - no message may end the service
-                logger.exception("vllm-hybrid-nixl: digest service failed to answer a message")
-                reply = _error(f"the digest service failed on this message: {exc!r:.200}")
-            try:
-                self._socket.send(json.dumps(reply).encode())
-            except zmq.ContextTerminated:
-                return
-            except zmq.ZMQError as exc:
-                logger.warning("vllm-hybrid-nixl: digest service reply failed: %s", exc)
+        serve_replies(
+            self._socket,
+            lambda raw: answer(raw, self._lookup),
+            lambda exc: _error(f"the digest service failed on this message: {exc!r:.200}"),
+            "digest service",
+            self._stop,
+        )
 
 
 def endpoint_of(host: str, port: int) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
+from vllm_hybrid_nixl.protocol.reply_loop import serve_replies
 
 logger = logging.getLogger("vllm.hybrid_nixl.lease")
 
@@ -117,25 +118,12 @@ class LeaseServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
-            try:
-                raw = self._socket.recv()
-            except zmq.ContextTerminated:
-                return  # the process is ending
-            except zmq.ZMQError as exc:
-                logger.warning("vllm-hybrid-nixl: lease service receive failed: %s", exc)
-                continue
-            try:
-                reply = self.answer(raw)
-            except Exception as exc:  # noqa: BLE001 - no message may end the service
-                logger.exception("vllm-hybrid-nixl: lease service failed to answer a message")
-                reply = self._error(f"the lease service failed on this message: {exc!r:.200}")
-            try:
-                self._socket.send(json.dumps(reply).encode())
-            except zmq.ContextTerminated:
-                return
-            except zmq.ZMQError as exc:
-                logger.warning("vllm-hybrid-nixl: lease service reply failed: %s", exc)
+        serve_replies(
+            self._socket,
+            self.answer,
+            lambda exc: self._error(f"the lease service failed on this message: {exc!r:.200}"),
+            "lease service",
+        )
 
     def _error(self, message: str) -> dict[str, object]:
         return {"epoch": self.table.epoch, "error": message}
