@@ -30,8 +30,7 @@ from tests.e2e.pd_fixture import (
     start_pair,
     wait_router_ready,
 )
-from vllm_hybrid_nixl.common.netutil import free_port
-from vllm_hybrid_nixl.connector.lease import LEASE_PORT_OFFSET
+from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET, free_port
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
 from vllm_hybrid_nixl.router.backends import BackendPool

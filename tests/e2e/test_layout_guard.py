@@ -136,7 +136,7 @@ def mismatched_router(engines: Engines) -> Iterator[RouterServer]:
     )
     router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:
-        wait_router_ready(router.url)
+        wait_router_ready(router.url, layouts=True)
         yield router
     finally:
         router.stop()

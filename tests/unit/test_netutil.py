@@ -71,3 +71,18 @@ def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_
         if ephemeral is not None:
             start, end = ephemeral
             assert port + SIDE_CHANNEL_SPAN < start or port > end
+
+
+def test_derived_ports_of_ray_serve_neighbours_never_meet() -> None:
+    """Ray Serve LLM numbers decode replicas' side channels from prefill's + 2000 (its
+    NIXL_SIDE_CHANNEL_PORT_BASE 20000 / 22000): no port one engine derives (side channel,
+    digest ports for up to 64 TP ranks, lease) may be one the other derives (with +3000 the
+    prefill's digest port was the decode's lease port, and whichever bound first won)."""
+    from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET, LEASE_PORT_OFFSET
+
+    def derived(side: int, ranks: int = 64) -> set[int]:
+        digests = {side + DIGEST_PORT_OFFSET + rank for rank in range(ranks)}
+        return {side + rank for rank in range(ranks)} | digests | {side + LEASE_PORT_OFFSET}
+
+    assert not derived(20000) & derived(22000)
+    assert len(derived(20000)) == 2 * 64 + 1

@@ -146,3 +146,32 @@ def test_pick_rotates_skips_unusable_and_excluded(setup) -> None:
     assert {pool.pick("prefill", lambda b: b is not p0) for _ in range(3)} == {p1}
     assert pool.pick("prefill", lambda b: True, exclude=[p0, p1]) is None
     assert pool.pick("decode", lambda b: False) is None
+
+
+def test_probe_timeouts_do_not_eject_an_engine_that_just_answered_a_leg(setup) -> None:
+    """A busy engine (its /health slow, its legs answered) stays in rotation; a refused
+    connection still counts, and so do timeouts once no leg succeeded for the grace."""
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    tracker.record_success(d0)
+    for _ in range(5):
+        tracker.record_probe(d0, False, "/health: ReadTimeout", timed_out=True)
+    assert tracker.state(d0) is EngineState.UP and tracker.usable(d0)
+    assert "busy" in str(tracker.snapshot(d0)["last_error"])
+    tracker.record_probe(d0, False, "/health: ConnectError")
+    tracker.record_probe(d0, False, "/health: ConnectError")
+    assert tracker.state(d0) is EngineState.DOWN
+
+
+def test_probe_timeouts_eject_an_engine_silent_past_the_grace(setup) -> None:
+    from vllm_hybrid_nixl.router.health import BUSY_GRACE_S
+
+    pool, tracker, clock = setup
+    d0 = pool.decode[0]
+    tracker.record_probe(d0, True)
+    tracker.record_success(d0)
+    clock.now += BUSY_GRACE_S + 1
+    tracker.record_probe(d0, False, "/health: ReadTimeout", timed_out=True)
+    tracker.record_probe(d0, False, "/health: ReadTimeout", timed_out=True)
+    assert tracker.state(d0) is EngineState.DOWN

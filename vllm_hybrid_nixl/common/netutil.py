@@ -67,21 +67,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 #: Ports our connector derives from an engine's NIXL side-channel port: the lease service
-#: (+1000) and the KV digest services (+3000 + rank).
-SIDE_CHANNEL_SPAN = 3000 + 64
+#: (+1000) and the KV digest services (+500 + TP rank). Ray Serve LLM gives decode replicas
+#: prefill's side channel + 2000, so one engine's derived ports (+0, +500, +1000) never meet
+#: the other's (+2000, +2500, +3000).
+LEASE_PORT_OFFSET = 1000
+DIGEST_PORT_OFFSET = 500
+SIDE_CHANNEL_SPAN = LEASE_PORT_OFFSET + 64
 
 
 def free_side_channel_port(host: str = "127.0.0.1") -> int:
-    """A free side-channel port whose derived ports (lease +1000, digest +3000 + rank) stay
+    """A free side-channel port whose derived ports (lease +1000, digest +500 + rank) stay
     outside the kernel's ephemeral range too, so no outgoing connection can hold them when
-    the engine binds; free right now at the port, +1000 and +3000."""
+    the engine binds; free right now at the port, +500 and +1000."""
     ports = pick_range(ephemeral_range())
     if ports is not None and ports[1] - SIDE_CHANNEL_SPAN - ports[0] >= 1000:
         low, high = ports[0], ports[1] - SIDE_CHANNEL_SPAN
         with _lock:
             for _ in range(200):
                 port = _random.randint(low, high)
-                candidates = [(host, port + offset) for offset in (0, 1000, 3000)]
+                offsets = (0, DIGEST_PORT_OFFSET, LEASE_PORT_OFFSET)
+                candidates = [(host, port + offset) for offset in offsets]
                 if not any(c in _handed_out for c in candidates) and all(
                     can_bind(h, p) for h, p in candidates
                 ):

@@ -48,7 +48,7 @@ EXTRA_CONFIG_KEYS = (
         "kv_digest",
         "both workers (default `true`)",
         "verify every KV read byte for byte: the prefill serves per-page digests (side-channel "
-        "port + 3000 + TP rank), the decode fails a read whose bytes differ; `false` turns it off",
+        "port + 500 + TP rank), the decode fails a read whose bytes differ; `false` turns it off",
     ),
     Setting(
         "kv_digest_timeout",
@@ -85,7 +85,7 @@ ENVIRONMENT = (
         "VLLM_NIXL_SIDE_CHANNEL_PORT",
         "set by our launchers (a free port)",
         "the side channel's port; the lease service listens 1000 above it, the KV digest "
-        "service 3000 above it (plus the TP rank)",
+        "service 500 above it (plus the TP rank)",
     ),
     Setting(
         "VLLM_CPU_KVCACHE_SPACE",

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.kv_digest import PageDigester
 from vllm_hybrid_nixl.protocol.digest_wire import (
-    DIGEST_PORT_OFFSET,
     DigestAsker,
     DigestAskFailed,
     DigestServer,

@@ -47,6 +47,7 @@ from typing import Any
 
 import zmq
 
+from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.digest_guard import (
     EXPECT_ATTRIBUTE,
@@ -79,9 +80,6 @@ PORT_KEY = "lease_port"
 TIMEOUT_KEY = "lease_check_timeout"
 GUARD_KEY = "lease_guard"  # false turns the guard off on this engine (benchmarks, stock peers)
 DEFAULT_LEASE_S = 30.0
-#: With no ``lease_port`` set, the lease service listens this far above the engine's NIXL
-#: side-channel port (which already carries vLLM's data-parallel offset): 5600 -> 6600.
-LEASE_PORT_OFFSET = 1000
 #: After a prefill engine's lease service failed to answer, pins to it are refused at once
 #: for this long instead of stalling the decode engine core for the timeout every step.
 UNREACHABLE_HOLD_S = 10.0
@@ -251,7 +249,8 @@ class LeaseHolderMixin:
 
     def _bind_lease_service(self, table: LeaseTable, host: str, config: Any) -> LeaseServer:
         """The lease service on ``lease_port`` + the data-parallel rank when set (0: a free
-        port), else on the side-channel port + ``LEASE_PORT_OFFSET``; a port in use is an
+        port), else on the side-channel port + ``LEASE_PORT_OFFSET`` (which already carries
+        vLLM's data-parallel offset: 5600 -> 6600); a port in use is an
         error by name when it was set, a warning and a free port when it was derived."""
         configured = config.get_from_extra_config(PORT_KEY, None)
         if configured is not None:

@@ -10,7 +10,7 @@ is not this protocol raises :class:`DigestAskFailed`.
 
 Each prefill worker rank listens on the engine's digest port base (carried in the lease
 value, ``digest_port``) plus its tensor-parallel rank; the base is the NIXL side-channel port
-plus :data:`DIGEST_PORT_OFFSET` plus the data-parallel rank times the TP size.
+plus ``common.netutil.DIGEST_PORT_OFFSET`` (500) plus the data-parallel rank times the TP size.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from vllm_hybrid_nixl.protocol.reply_loop import serve_replies
 
 logger = logging.getLogger("vllm.hybrid_nixl.digest")
 
-#: Digest ports sit this far above the NIXL side-channel port (the lease service: +1000).
-DIGEST_PORT_OFFSET = 3000  # Ray Serve LLM gives decode replicas the side channel + 2000
 MAX_REQUEST_BYTES = 4096
 MAX_ID_CHARS = 256
 #: Largest reply a decode worker reads (a 1M-token prompt at block 16 is ~2 MB per group).

@@ -1,13 +1,14 @@
 """Which engines may take a leg now: health probes plus a circuit breaker per engine.
 
 An engine is *up* after a successful probe of its ``/health``. It goes *down* after
-``probe_failures_to_eject`` failed probes in a row, and *open* (breaker tripped) after
-``request_failures_to_open`` failed legs in a row. Once ``open_cooldown_s`` has passed, an
-open engine is up again after a good probe, and admits one trial leg (*half-open* while it
-runs); the trial's success closes the breaker, its failure opens it again, and a trial that
-ends with no outcome (its client left) admits another after the cooldown. Looking
-(:meth:`HealthTracker.usable`) never changes a state; only a leg that really starts does
-(:meth:`HealthTracker.leg_started`). Engines start *unknown* and take no traffic until a
+``probe_failures_to_eject`` failed probes in a row (a probe that only timed out does not
+count while the engine answered a leg within ``BUSY_GRACE_S``: it is busy, not gone), and
+*open* (breaker tripped) after ``request_failures_to_open`` failed legs in a row. Once
+``open_cooldown_s`` has passed, an open engine is up again after a good probe, and admits
+one trial leg (*half-open* while it runs); the trial's success closes the breaker, its
+failure opens it again, and a trial that ends with no outcome (its client left) admits
+another after the cooldown. Looking (:meth:`HealthTracker.usable`) never changes a state;
+only a leg that really starts does (:meth:`HealthTracker.leg_started`). Engines start *unknown* and take no traffic until a
 first probe answers.
 """
 
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from vllm_hybrid_nixl.router.backends import Backend
+
+#: A probe that timed out is not held against an engine that answered a leg this recently.
+BUSY_GRACE_S = 30.0
 
 
 class EngineState(str, Enum):
@@ -39,6 +43,7 @@ class EngineHealth:
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    last_success_at: float = float("-inf")  # when a leg to it last succeeded
 
 
 class HealthTracker:
@@ -81,7 +86,11 @@ class HealthTracker:
             return now - health.trial_at >= self._cooldown
         return False
 
-    def record_probe(self, backend: Backend, ok: bool, detail: str = "") -> None:
+    def record_probe(
+        self, backend: Backend, ok: bool, detail: str = "", timed_out: bool = False
+    ) -> None:
+        """A probe's outcome; ``timed_out``: it got no answer in time (as opposed to a
+        refused connection or an error status)."""
         with self._lock:
             health = self._engines[backend.url]
             if ok:
@@ -93,6 +102,11 @@ class HealthTracker:
                     health.request_failures = 0
                     self._set(health, EngineState.UP)
                 return
+            busy = self._clock() - health.last_success_at < BUSY_GRACE_S
+            if timed_out and busy and health.state is EngineState.UP:
+                health.last_error = f"{detail} (not counted: a leg succeeded within the last "
+                health.last_error += f"{BUSY_GRACE_S:g} s, so it is busy)"
+                return
             health.probe_failures += 1
             health.last_error = detail
             if health.state is EngineState.UNKNOWN or health.probe_failures >= self._eject_after:
@@ -102,6 +116,7 @@ class HealthTracker:
         with self._lock:
             health = self._engines[backend.url]
             health.request_failures = 0
+            health.last_success_at = self._clock()
             if health.state in (EngineState.HALF_OPEN, EngineState.OPEN):
                 self._set(health, EngineState.UP)
 

@@ -38,6 +38,9 @@ from vllm_hybrid_nixl.router.backends import Backend, BackendPool
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
 
+#: Why an engine's layout is unknown while its first probe is still under way.
+NOT_READ_YET = "not read yet"
+
 
 @dataclass
 class EngineLayout:
@@ -169,8 +172,13 @@ class PairingTable:
                 self._probed_at[backend.url] = time.monotonic()
 
     def layout(self, backend: Backend) -> EngineLayout:
+        """What is known of ``backend``'s layout; an engine with a side channel whose first
+        probe has not finished yet reads as unknown ("not read yet"), never as unchecked."""
         with self._lock:
-            return self._layouts.get(backend.url, EngineLayout())
+            found = self._layouts.get(backend.url)
+        if found is not None:
+            return found
+        return EngineLayout(error=NOT_READ_YET if backend.side_channel else "")
 
     def problem(self, prefill: Backend, decode_: Backend) -> str:
         p, d = self.layout(prefill), self.layout(decode_)
@@ -182,7 +190,8 @@ class PairingTable:
             found = pair_problem(prefill, p, decode_, d)
             self._verdicts[key] = (p, d, found)
         if not found and (p.fingerprint is None or d.fingerprint is None):
-            self._warn_unchecked(prefill, p, decode_, d)
+            if NOT_READ_YET not in (p.error, d.error):  # a probe under way is no verdict yet
+                self._warn_unchecked(prefill, p, decode_, d)
         return found
 
     def _warn_unchecked(

@@ -42,9 +42,11 @@ class EngineProbes:
                 f"{backend.url}/health", timeout=self.settings.health_timeout_s
             )
             ok, detail = response.status_code == 200, f"/health: HTTP {response.status_code}"
+            timed_out = False
         except httpx.HTTPError as exc:
             ok, detail = False, f"/health: {exc!r}"
-        self.health.record_probe(backend, ok, "" if ok else detail)
+            timed_out = isinstance(exc, httpx.TimeoutException)
+        self.health.record_probe(backend, ok, "" if ok else detail, timed_out)
         self.metrics.engine_up.labels(backend.url, backend.role).set(
             1 if self.health.state(backend).value == "up" else 0
         )
