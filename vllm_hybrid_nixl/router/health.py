@@ -8,8 +8,8 @@ count while the engine answered a leg within ``BUSY_GRACE_S``: it is busy, not g
 one trial leg (*half-open* while it runs); the trial's success closes the breaker, its
 failure opens it again, and a trial that ends with no outcome (its client left) admits
 another after the cooldown. Looking (:meth:`HealthTracker.usable`) never changes a state;
-only a leg that really starts does (:meth:`HealthTracker.leg_started`). Engines start *unknown* and take no traffic until a
-first probe answers.
+only a leg that really starts does (:meth:`HealthTracker.leg_started`). Engines start
+*unknown* and take no traffic until a first probe answers.
 """
 
 from __future__ import annotations
