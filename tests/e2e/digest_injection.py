@@ -53,6 +53,10 @@ def mismatches(pair: PdPair) -> int:
     return pair.decode.log_text().count(MISMATCH_LINE)
 
 
+def mismatch_lines(pair: PdPair) -> list[str]:
+    return [line for line in pair.decode.log_text().splitlines() if MISMATCH_LINE in line]
+
+
 def counted_mismatches(pair: PdPair, at_least: float, wait_s: float = 20.0) -> float:
     """The decode engine's mismatch counter once it reached ``at_least`` (vLLM hands worker
     stats to the API server with the next outputs), or its value after ``wait_s``."""
@@ -105,6 +109,9 @@ def run_injected(
     assert missed == 0, f"the hook did not fire for {missed} of {len(bodies)} requests"
     assert not wrong, f"HTTP 200 with wrong tokens: {wrong}"
     assert mismatches(pair) - caught_before == len(bodies)
+    for line in mismatch_lines(pair)[caught_before:]:  # what an operator needs, in each line
+        assert f"({kind}), first at logical block " in line, line
+        assert "(prefill request " in line and " on engine " in line, line
     counted = counted_mismatches(pair, counted_before + len(bodies)) - counted_before
     assert counted == len(bodies), f"{METRIC} rose by {counted}, {len(bodies)} caught"
     assert request_reruns(router_url) - reruns_before >= len(bodies)

@@ -11,22 +11,30 @@ import httpx
 import pytest
 
 from tests.e2e.digest_injection import (
+    CONTROL_VARIABLE,
+    MISMATCH_LINE,
     VERIFIED_LINE,
+    arm,
+    control_of,
+    fired,
     hooked_env,
     run_injected,
     run_uncaught_damage,
 )
 from tests.e2e.pd_fixture import (
+    COMMON_ARGS,
     WORKER_LINE,
     PdPair,
+    metric_sum,
     run_pd_and_colocated,
     start_pair,
     wait_router_ready,
 )
-from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
 from vllm_hybrid_nixl.connector.thread_priority import cpu_seconds
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
@@ -127,6 +135,100 @@ def test_the_same_window_damage_unchecked_answers_wrong_tokens(pair: PdPair) -> 
         pair, _digest_bodies(pair, "unchecked", 3), "sliding_window", _same_tokens
     )
     assert not any(same), same
+
+
+@pytest.fixture(scope="module")
+def recompute_decode(pair: PdPair, tmp_path_factory) -> Iterator[EngineProcess]:
+    """A second decode engine, as the first but with ``kv_load_failure_policy: recompute``
+    (vLLM's default is fail), sharing core 1 with it; its corruption hook is idle."""
+    logs = tmp_path_factory.mktemp("pd-pull-recompute-logs")
+    spec = EngineSpec(
+        model=pair.model,
+        port=free_port(),
+        role="decode",
+        side_channel_port=free_side_channel_port(),
+        cpu_core=1,
+        extra_args=list(COMMON_ARGS),
+        kv_extra_config=PACED,
+        env=hooked_env(logs / "d.json"),
+        kv_load_failure_policy="recompute",
+    )
+    engine = EngineProcess(spec, logs / "decode.log").start()
+    try:
+        engine.wait_healthy(timeout_s=420)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _prefill_alone(client: httpx.Client, pair: PdPair, body: dict) -> str:
+    answer = client.post(f"{pair.prefill.spec.url}/v1/completions", json=body)
+    answer.raise_for_status()
+    return answer.json()["choices"][0]["text"]
+
+
+@needs_digest
+def test_a_corrupted_read_under_recompute_is_computed_on_the_decode_engine(
+    pair: PdPair, recompute_decode: EngineProcess
+) -> None:
+    """Under ``kv_load_failure_policy: recompute`` a read that fails the digest check is
+    not an error: straight from the engines (no router, no re-run), HTTP 200 with the
+    colocated answer, the mismatch logged as recomputed."""
+    control = Path(recompute_decode.spec.env[CONTROL_VARIABLE])
+    bodies = _digest_bodies(pair, "recompute", 4)
+    wrong = []
+    with httpx.Client(timeout=300.0) as client:
+        for body in bodies:
+            expected = _prefill_alone(client, pair, body)
+            arm(control, "received", "sliding_window", 1)
+            run = disaggregated_completion(
+                client, pair.prefill.spec.url, recompute_decode.spec.url, body
+            )
+            assert fired(control) == 1
+            if run.text != expected:
+                wrong.append((body["prompt"], run.text, expected))
+    assert not wrong, f"HTTP 200 with wrong tokens: {wrong}"
+    log = recompute_decode.log_text()
+    assert log.count(MISMATCH_LINE) == len(bodies)
+    assert log.count("is recomputed on this engine (kv_load_failure_policy=recompute)") == len(
+        bodies
+    )
+    assert recompute_decode.alive()
+
+
+@needs_digest
+def test_a_read_that_failed_its_check_leaves_nothing_in_the_decode_prefix_cache(
+    pair: PdPair,
+) -> None:
+    """A multi-block prompt whose received full-attention page was damaged fails its read;
+    the same prompt sent to the decode engine alone afterwards finds none of its blocks in
+    the decode's prefix cache, and is answered as the prefill engine answers it. The
+    control: after a clean P/D read of a second prompt, the same step does hit the cache
+    (so this measurement sees caching where there is some)."""
+    tail = PROMPTS[1]  # several 64-token blocks
+    damaged, clean = (
+        {"model": pair.model, "prompt": f"{tag}: {tail}", "max_tokens": 8, "temperature": 0.0}
+        for tag in ("never cached", "cached as read")
+    )
+    control = control_of(pair, "decode")
+    decode_url = pair.decode.spec.url
+    hits = "vllm:prefix_cache_hits_total"
+    with httpx.Client(timeout=300.0) as client:
+        expected = _prefill_alone(client, pair, damaged)
+        arm(control, "received", "full_attention", 1)
+        with pytest.raises(LegError):
+            disaggregated_completion(client, pair.prefill.spec.url, decode_url, damaged)
+        assert fired(control) == 1
+        before = metric_sum(decode_url, hits)
+        again = client.post(f"{decode_url}/v1/completions", json=damaged).json()
+        damaged_hits = metric_sum(decode_url, hits) - before
+        disaggregated_completion(client, pair.prefill.spec.url, decode_url, clean)
+        before = metric_sum(decode_url, hits)
+        client.post(f"{decode_url}/v1/completions", json=clean).raise_for_status()
+        clean_hits = metric_sum(decode_url, hits) - before
+    assert damaged_hits == 0, f"{damaged_hits} prompt tokens came from a failed read's blocks"
+    assert again["choices"][0]["text"] == expected
+    assert clean_hits >= 64, clean_hits  # at least one whole block of the clean read
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])

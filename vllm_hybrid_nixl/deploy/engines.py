@@ -69,6 +69,7 @@ class EngineSpec:
     kv_extra_config: dict[str, object] = field(default_factory=dict)
     connector_module_path: str | None = None  # load the connector by module, not by name
     engine_id: str | None = None  # vLLM makes one up when unset
+    kv_load_failure_policy: str | None = None  # fail | recompute (vLLM 0.30+); None: vLLM's
 
     @property
     def url(self) -> str:
@@ -99,6 +100,8 @@ class EngineSpec:
             config["kv_connector_module_path"] = self.connector_module_path
         if self.engine_id:
             config["engine_id"] = self.engine_id
+        if self.kv_load_failure_policy:
+            config["kv_load_failure_policy"] = self.kv_load_failure_policy
         return config
 
     def command(self) -> list[str]:
