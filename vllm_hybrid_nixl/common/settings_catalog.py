@@ -109,6 +109,12 @@ ENVIRONMENT = (
     ),
     Setting("HF_HUB_OFFLINE", "set to 1 by the demo", "no model downloads"),
     Setting(
+        "HEALTH_PORT",
+        "read by the container image's HEALTHCHECK (default 8100 in the CPU image)",
+        "the port whose `/health` the image's health check asks (8200 for a decode engine "
+        "container serving there, 8000 for a router container)",
+    ),
+    Setting(
         "VLLM_TARGET_DEVICE",
         "set to `cpu` by our launcher when only vLLM's CPU build is installed",
         "steers vLLM's platform detection",

@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import inspect
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -301,6 +302,41 @@ def extend_stock_lease(connector_scheduler: Any, seconds: float) -> bool:
         return False
     connector_scheduler._kv_lease_duration = int(seconds)
     return True
+
+
+def withdraw_push_registrations(
+    connector_scheduler: Any, metadata: Any, req_ids: Iterable[str]
+) -> None:
+    """Push mode (0.32+): the decode requests ``req_ids`` will not be written to: their
+    registrations are not sent to the prefill (taken off the step's metadata and vLLM's
+    pending ones) and vLLM's registration watchdog forgets them. A no-op in pull mode."""
+    sent = getattr(metadata, "push_registrations", None)
+    pending = getattr(connector_scheduler, "_push_pending_registrations", None)
+    deadlines = getattr(connector_scheduler, "_push_registration_deadlines", None)
+    for table in (sent, pending, deadlines):
+        if isinstance(table, dict):
+            for req_id in req_ids:
+                table.pop(req_id, None)
+
+
+def evict_expired_pushes(worker: Any, req_ids: Iterable[str]) -> None:
+    """Push mode (0.32+), prefill worker: leases the lease guard ended are no longer sent
+    (vLLM's writer forgets their finished blocks and any registration that arrives for
+    them, exactly as for its own lease expiry). A no-op for pull workers."""
+    inbox = getattr(worker, "_evict_finished_inbox", None)
+    if inbox is None:
+        return
+    to_send = getattr(worker, "_reqs_to_send", None)
+    in_batch = getattr(worker, "_reqs_to_process", None)
+    for req_id in req_ids:
+        if isinstance(to_send, dict):
+            to_send.pop(req_id, None)
+        if isinstance(in_batch, set):
+            in_batch.discard(req_id)
+        inbox.put(req_id)
+    wake = getattr(worker, "_push_writer_wake", None)
+    if wake is not None:
+        wake.set()
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """``HybridNixlConnector`` (pull) and ``HybridNixlPushConnector``: vLLM's NIXL
 connectors whose workers run the HMA-aware ``register_kv_caches``.
 
-The pull connector also runs the KV lease guard (:mod:`vllm_hybrid_nixl.lease`) on the
-scheduler side; otherwise scheduler behaviour is vLLM's own.
+Both run the KV lease guard (:mod:`vllm_hybrid_nixl.connector.lease`) on the scheduler
+side; otherwise scheduler behaviour is vLLM's own.
 """
 
 from __future__ import annotations
@@ -61,7 +61,11 @@ class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_conne
         return classes[1](vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-class HybridNixlPushConnector(_HybridWorkerMixin, _NIXL.push_connector):
-    """Push-mode (WRITE) NIXL connector for hybrid models."""
+class HybridNixlPushConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.push_connector):
+    """Push-mode (WRITE) NIXL connector for hybrid models, with the KV lease guard (its
+    decode pins the prefill's lease before registering, so a late leg fails at once). Not
+    verified by the KV digest: push workers check none."""
+
+    _lease_digests = False
 
     _hybrid_worker_class = HybridNixlPushWorker

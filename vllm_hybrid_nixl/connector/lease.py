@@ -186,6 +186,8 @@ class LeaseHolderMixin:
     renew and pin them before reading on decode engines."""
 
     connector_scheduler: Any
+    #: Whether prefill engines of this connector serve KV digests (push workers check none).
+    _lease_digests = True
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
@@ -227,7 +229,7 @@ class LeaseHolderMixin:
         self._pinner = Pinner(peers, self._lease_timeout_s)
         if config.is_kv_producer:
             self._start_lease_service(config)
-            if digest_enabled(config) and compat.digest_hooks_available():
+            if self._lease_digests and digest_enabled(config) and compat.digest_hooks_available():
                 self._digest_port = digest_port_base(vllm_config)
 
     def _start_lease_service(self, config: Any) -> None:
@@ -610,6 +612,8 @@ class LeaseHolderMixin:
             if isinstance(to_read, dict):
                 for req_id in refusals:
                     to_read.pop(req_id, None)  # the worker reports it failed, unread
+            # Push mode: nor is the prefill asked to write them (no registration is sent)
+            compat.withdraw_push_registrations(self.connector_scheduler, metadata, refusals)
             setattr(metadata, REFUSALS_ATTRIBUTE, refusals)
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)

@@ -474,7 +474,16 @@ class HybridNixlPullWorker(
     the end-to-end KV digest."""
 
 
-class HybridNixlPushWorker(HybridRegistrationMixin, _NIXL.push_worker):
-    """Push-mode (WRITE) NIXL worker with the HMA-aware registration."""
+class HybridNixlPushWorker(LeaseReaderMixin, HybridRegistrationMixin, _NIXL.push_worker):
+    """Push-mode (WRITE) NIXL worker with the HMA-aware registration and the lease guard:
+    a decode request whose pin was refused is failed without registering, and a prefill
+    whose lease ended no longer writes that request's blocks."""
 
     transfer_mode = "push"
+
+    def get_transfer_results(self) -> Any:
+        expired = set(self._lease_expired)
+        results = super().get_transfer_results()
+        if expired:
+            compat.evict_expired_pushes(self, expired)
+        return results

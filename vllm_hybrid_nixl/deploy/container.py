@@ -4,7 +4,8 @@
         -> `vllm serve` (a prefill or decode engine, by its kv_role)
     docker run IMAGE router --prefill URL --decode URL ...   -> our router
     docker run IMAGE check|version|make-tiny-model ...       -> our CLI
-    python -m vllm_hybrid_nixl.deploy.container health PORT         -> the image's health probe
+    python -m vllm_hybrid_nixl.deploy.container health [PORT]  -> the image's health probe
+                                                          (PORT defaults to $HEALTH_PORT)
 
 Inside a container the right address to bind and to advertise is the container's own
 (what other containers and published ports reach): engines and router bind it unless
@@ -98,10 +99,11 @@ def health(port: int, address: str, timeout_s: float = 5.0) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["health"]:
-        if len(args) != 2 or not args[1].isdigit():
-            print("usage: health PORT", file=sys.stderr)
+        port = args[1] if len(args) == 2 else os.environ.get("HEALTH_PORT", "")
+        if len(args) > 2 or not port.isdigit():
+            print("usage: health [PORT] (default: $HEALTH_PORT)", file=sys.stderr)
             return 2
-        return health(int(args[1]), container_address())
+        return health(int(port), container_address())
     if args[:1] == ["check-image"]:
         problems = image_problems()
         for problem in problems:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from vllm_hybrid_nixl.router.proxy import prefill_body
+from vllm_hybrid_nixl.router.proxy import leg_request_id, prefill_body
 
 __all__ = ["DisaggregatedResult", "LegError", "disaggregated_completion", "prefill_body"]
 
@@ -47,6 +47,7 @@ def disaggregated_completion(
     client: httpx.Client, prefill_url: str, decode_url: str, body: dict[str, Any]
 ) -> DisaggregatedResult:
     """Prefill on ``prefill_url`` (1 token, KV kept), then decode on ``decode_url`` with that KV."""
+    body = {**body, "request_id": leg_request_id()}  # one id for both legs (push pairs by it)
     prefill = _post(client, "prefill", prefill_url, prefill_body(body))
     params = prefill.get("kv_transfer_params")
     if not params:

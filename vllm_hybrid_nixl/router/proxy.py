@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +203,13 @@ def stream_error(events: bytes) -> str | None:
         if error is not None:
             return str(error.get("message", error) if isinstance(error, dict) else error)
     return None
+
+
+def leg_request_id() -> str:
+    """One id for both legs of one attempt: vLLM's push mode pairs a decode leg with its
+    prefill by it (its base, vLLM's random suffix stripped), and a re-run gets a new one so
+    it can never be paired with the failed attempt's prefill."""
+    return f"vhn-{uuid.uuid4().hex}"
 
 
 async def lease_was_released(params: dict[str, Any]) -> str:
@@ -443,10 +451,11 @@ class Disaggregator:
         avoid: list[Backend] = []
         avoid_decode: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):
-            prefill, params = await self.prefill(path, body, avoid)
+            legs_body = {**body, "request_id": leg_request_id()}
+            prefill, params = await self.prefill(path, legs_body, avoid)
             try:
                 return await self.decode(
-                    prefill, path, {**body, "kv_transfer_params": params}, stream, avoid_decode
+                    prefill, path, {**legs_body, "kv_transfer_params": params}, stream, avoid_decode
                 )
             except LegError as exc:
                 rerun = exc.kind in ("engine_error", "unreachable")

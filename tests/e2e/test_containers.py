@@ -1,0 +1,205 @@
+"""P/D across containers for real: the CPU image built from ``Dockerfile.cpu`` (on a base made
+locally from Debian packages: no registry is reachable here), then a prefill, a decode and a
+router container from it, each with its own address on one container network (not the
+host's), started by the image's own entry point as its non-root user and gated by its own
+HEALTHCHECK. The NIXL side channel, the lease and digest services and the KV itself cross
+between containers; greedy answers through the router's published port on 127.0.0.1 equal
+the prefill engine's alone, token for token, and the decode engine counted the KV as
+received over NIXL. ``stop`` ends every container within its grace period.
+
+The engine is podman from Debian's packages (installed by the test where missing, as root),
+or a running Docker daemon.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.container_kit import (
+    BuiltImage,
+    ContainerCli,
+    build_cpu_image,
+    container_cli,
+    progress,
+    state,
+    wait_healthy,
+)
+from vllm_hybrid_nixl.common.netutil import free_port
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+
+pytestmark = pytest.mark.e2e
+
+SUBNET = "10.213.7"  # a private /24 for the test's container network
+ENGINE_ARGS = ["--block-size", "64", "--enforce-eager", "--max-model-len", "1024"]
+STOP_GRACE_S = 30
+PROMPTS = [
+    "containers move the kv cache between",
+    " ".join(["a prompt that fills more than one block of the kv cache"] * 10),
+]
+
+
+@dataclass
+class PdContainers:
+    cli: ContainerCli
+    image: BuiltImage
+    names: dict[str, str]  # role -> container name
+    urls: dict[str, str]  # role -> URL on the host's loopback (published ports)
+    addresses: dict[str, str]  # role -> address on the container network
+
+
+def _kv_config(role: str) -> str:
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return (
+        '{"kv_connector":"HybridNixlConnector","kv_role":"' + kv_role + '",'
+        '"kv_buffer_device":"cpu"}'
+    )
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> ContainerCli:
+    return container_cli(tmp_path_factory.mktemp("container-cli"))
+
+
+@pytest.fixture(scope="module")
+def cpu_image(cli: ContainerCli, tmp_path_factory) -> BuiltImage:
+    return build_cpu_image(cli, tmp_path_factory.mktemp("image-build"))
+
+
+@pytest.fixture(scope="module")
+def shared_model(tiny_hybrid_model: Path, tmp_path_factory) -> Path:
+    """The tiny model where the containers' non-root user can read it."""
+    target = tmp_path_factory.mktemp("container-model") / "tiny"
+    shutil.copytree(tiny_hybrid_model, target)
+    for path in [target.parent, target, *target.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    parent = target.parent
+    while parent != parent.parent:  # every directory above must be searchable
+        parent.chmod(parent.stat().st_mode | 0o111)
+        parent = parent.parent
+    return target
+
+
+@pytest.fixture(scope="module")
+def pd(cli: ContainerCli, cpu_image: BuiltImage, shared_model: Path) -> Iterator[PdContainers]:
+    tag = uuid.uuid4().hex[:8]
+    network = f"vhn-test-{tag}"
+    cli.run("network", "create", "--subnet", f"{SUBNET}.0/24", network)
+    names = {role: f"vhn-{role}-{tag}" for role in ("prefill", "decode", "router")}
+    addresses = {"prefill": f"{SUBNET}.10", "decode": f"{SUBNET}.11", "router": f"{SUBNET}.12"}
+    ports = {role: free_port() for role in names}
+    inner = {"prefill": 8100, "decode": 8200, "router": 8000}
+    started: list[str] = []
+
+    def run(role: str, args: list[str], env: dict[str, str], cores: str) -> None:
+        command = ["run", "-d", "--name", names[role], "--network", network]
+        command += ["--ip", addresses[role], "--cpuset-cpus", cores, "--shm-size", "1g"]
+        command += ["-p", f"127.0.0.1:{ports[role]}:{inner[role]}"]
+        command += ["-v", f"{shared_model}:/models/tiny:ro"]
+        for key, value in {**env, "HEALTH_PORT": str(inner[role])}.items():
+            command += ["-e", f"{key}={value}"]
+        cli.run(*command, cpu_image.name, *args)
+        started.append(names[role])
+
+    try:
+        for role, core in (("prefill", "0"), ("decode", "1")):
+            progress(f"starting the {role} container")
+            run(
+                role,
+                ["/models/tiny", "--port", str(inner[role]), *ENGINE_ARGS]
+                + ["--kv-transfer-config", _kv_config(role)],
+                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core},
+                core,
+            )
+        for role in ("prefill", "decode"):
+            wait_healthy(cli, names[role])
+        side = {role: f"{addresses[role]}:5600" for role in ("prefill", "decode")}
+        run(
+            "router",
+            ["router", "--port", "8000", "--prefill", f"http://{addresses['prefill']}:8100"]
+            + ["--decode", f"http://{addresses['decode']}:8200"]
+            + ["--prefill-side-channel", side["prefill"], "--decode-side-channel", side["decode"]],
+            {},
+            "0-1",
+        )
+        wait_healthy(cli, names["router"], timeout_s=120)
+        urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+        yield PdContainers(cli, cpu_image, names, urls, addresses)
+    finally:
+        for name in reversed(started):
+            cli.run("rm", "-f", "-t", "5", name, check=False, timeout=120)
+        cli.run("network", "rm", network, check=False)
+
+
+def _completion(url: str, prompt: str) -> dict:
+    body = {"model": "/models/tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text[:2000]
+    return answer.json()["choices"][0]
+
+
+def test_the_image_builds_without_a_registry_and_reports_itself(
+    cli: ContainerCli, cpu_image: BuiltImage
+) -> None:
+    config = cli.run("image", "inspect", "--format", "{{json .Config}}", cpu_image.name).stdout
+    assert '"User":"1000:1000"' in config.replace(" ", "")
+    assert "vllm_hybrid_nixl.deploy.container" in config
+    assert "Healthcheck" in config or "HEALTHCHECK" in config.upper()
+    version = cli.run("run", "--rm", "--network", "none", cpu_image.name, "version").stdout
+    assert "vllm-hybrid-nixl" in version
+    progress(
+        f"image {cpu_image.size_bytes / 2**30:.2f} GiB, built in {cpu_image.build_s:.0f} s "
+        f"(base images {cpu_image.base_s:.0f} s)"
+    )
+
+
+def test_pd_across_containers_equals_one_engine_alone(pd: PdContainers) -> None:
+    with httpx.Client(timeout=60) as client:
+        before = read_kv_transfer_counters(pd.urls["decode"], client)
+    for prompt in PROMPTS:
+        through_router = _completion(pd.urls["router"], prompt)
+        alone = _completion(pd.urls["prefill"], prompt)
+        assert through_router["text"] == alone["text"], (prompt, through_router, alone)
+        assert len(through_router["text"]) > 0
+    with httpx.Client(timeout=60) as client:
+        moved = read_kv_transfer_counters(pd.urls["decode"], client) - before
+    assert moved.nixl_bytes > 0 and moved.failed_transfers == 0
+    assert moved.external_prompt_tokens > 0
+
+
+def test_every_container_runs_as_its_own_address_and_not_as_root(pd: PdContainers) -> None:
+    for role, name in pd.names.items():
+        assert pd.cli.run("exec", name, "id", "-u").stdout.strip() == "1000", role
+        hosts = pd.cli.run("exec", name, "hostname", "-i", check=False).stdout
+        if hosts.strip():
+            assert pd.addresses[role] in hosts.split(), (role, hosts)
+    decode_logs = pd.cli.run("logs", pd.names["decode"])
+    logs = decode_logs.stdout + decode_logs.stderr
+    assert "HybridNixlPullWorker" in logs and "validated" in logs
+
+
+def test_nothing_of_the_containers_runs_on_the_host_network(pd: PdContainers) -> None:
+    for name in pd.names.values():
+        mode = pd.cli.inspect(name, "{{.HostConfig.NetworkMode}}")
+        assert mode not in ("host", ""), (name, mode)
+
+
+def test_stop_ends_every_container_within_its_grace_period(pd: PdContainers) -> None:
+    """SIGTERM, then SIGKILL after the grace period: each container must have exited by
+    itself, well before the KILL (router first, then decode, then prefill)."""
+    for role in ("router", "decode", "prefill"):
+        name = pd.names[role]
+        started = time.monotonic()
+        pd.cli.run("stop", "-t", str(STOP_GRACE_S), name, timeout=STOP_GRACE_S + 60)
+        took = time.monotonic() - started
+        finished = state(pd.cli, name)
+        assert took < STOP_GRACE_S - 1, f"{role} took {took:.1f} s to stop: killed?"
+        assert finished.get("ExitCode") != 137, (role, finished)
+        assert not finished.get("OOMKilled"), (role, finished)
