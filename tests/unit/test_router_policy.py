@@ -100,3 +100,9 @@ def test_prefix_key_is_the_start_of_the_prompt(body: dict, key: bytes | None) ->
         assert prefix_key(body) is not None and b"hi" in prefix_key(body)
     else:
         assert prefix_key(body) == key
+
+
+def test_a_prompt_with_a_lone_surrogate_still_has_an_affinity_key() -> None:
+    body = json.loads('{"prompt": "ab\\ud800c"}')
+    key = prefix_key(body)
+    assert key is not None and key != prefix_key({"prompt": "abc"})

@@ -88,3 +88,23 @@ def test_max_tokens_is_bounded_by_the_context_length_when_known() -> None:
 
 def test_unknown_model_passes_when_the_router_does_not_know_the_served_models() -> None:
     assert request_problem("completions", {"model": "x", "prompt": "p"}, SETTINGS) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "n": 2, "temperature": 1e-6}, "n"),  # vLLM samples greedily there
+        ({"prompt": "x", "n": 2, "temperature": 0.7, "best_of": 1}, "best_of"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ],
+)
+def test_requests_vllm_refuses_colocated_are_refused_with_400(body, param) -> None:
+    found = problem(body)
+    assert found is not None and (found.status, found.param) == (400, param)
+
+
+@pytest.mark.parametrize("text", [None, 5, ["a"]])
+def test_chat_text_parts_that_are_not_strings_get_400_not_a_crash(text) -> None:
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    found = problem(chat, "chat")
+    assert found is not None and found.status == 400 and "strings" in found.message

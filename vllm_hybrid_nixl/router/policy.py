@@ -32,8 +32,8 @@ def prefix_key(body: dict[str, Any]) -> bytes | None:
         prompt = json.dumps(body["messages"], sort_keys=True)[:PREFIX_CHARS]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its first prompt
-    if isinstance(prompt, str):
-        return prompt[:PREFIX_CHARS].encode()
+    if isinstance(prompt, str):  # JSON may carry lone surrogates: keep them, never raise
+        return prompt[:PREFIX_CHARS].encode("utf-8", "surrogatepass")
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt[:PREFIX_TOKENS]):
         return json.dumps(prompt[:PREFIX_TOKENS]).encode()
     return None

@@ -14,6 +14,8 @@ from vllm_hybrid_nixl.router.fanout import fanout_size
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 ROUTER_OWNED = ("kv_transfer_params",)
+#: vLLM samples greedily below this temperature (and then refuses n > 1).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,10 @@ def _message_chars(messages: Any) -> int | None:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            total += sum(len(part.get("text", "")) for part in content if isinstance(part, dict))
+            texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+            if not all(isinstance(text, str) for text in texts):
+                return None  # a text part whose text is not a string
+            total += sum(len(text) for text in texts)
     return total
 
 
@@ -86,7 +91,8 @@ def _prompt_problem(
         if chars is None:
             return RequestProblem(
                 400,
-                "messages must be a non-empty list of {role, content} objects",
+                "messages must be a non-empty list of {role, content} objects whose text "
+                "parts carry strings",
                 "messages",
             )
         tokens, param = 0, "messages"
@@ -159,6 +165,13 @@ def request_problem(
         return RequestProblem(
             400, "best_of other than 1 is not supported through this router", "best_of"
         )
+    if body.get("use_beam_search"):
+        return RequestProblem(
+            400,
+            "beam search is not supported through prefill/decode disaggregation (vLLM's beam "
+            "search hands no KV to a decode engine); send such requests to an engine directly",
+            "use_beam_search",
+        )
     token_limit = settings.max_tokens
     if max_model_len is not None:
         token_limit = min(token_limit, max_model_len)
@@ -171,12 +184,18 @@ def request_problem(
     if problem:
         return problem
     temperature = body.get("temperature")
-    if (body.get("n") or 1) > 1 and isinstance(temperature, int | float) and temperature == 0:
+    n = body.get("n") or 1
+    greedy = isinstance(temperature, int | float) and temperature < GREEDY_BELOW
+    if n > 1 and greedy:
         return RequestProblem(
             400,
-            "n must be 1 when using greedy sampling (temperature 0), as vLLM requires; "
-            "set a temperature above 0 or ask for one choice",
+            f"n must be 1 when using greedy sampling (temperature below {GREEDY_BELOW:g}), as "
+            "vLLM requires; set a temperature above that or ask for one choice",
             "n",
+        )
+    if n > 1 and best_of is not None:
+        return RequestProblem(
+            400, f"best_of must be at least n ({n}), as vLLM requires; leave it out", "best_of"
         )
     problem = _prompt_problem(endpoint, body, settings)
     if problem:
