@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check vllm_hybrid_nixl tests bench scripts
-.venv/bin/hadolint Dockerfile Dockerfile.cpu
+.venv/bin/hadolint Dockerfile Dockerfile.cpu scripts/container/python-base.Dockerfile
 # The docs site: broken links, missing pages and pages outside the nav fail.
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"

@@ -4,11 +4,13 @@
 # secret ca_bundle (optional).
 ARG DEBIAN_IMAGE=localhost/debian:bookworm
 FROM ${DEBIAN_IMAGE}
+# Debian stable's own Python: versions follow the release, not pins (hence DL3008).
+# hadolint ignore=DL3008
 RUN --mount=type=secret,id=ca_bundle,target=/run/secrets/ca_bundle \
-    if [ -s /run/secrets/ca_bundle ]; then \
-        cp /run/secrets/ca_bundle /usr/local/share/ca-certificates/build-ca.crt; fi \
-    && apt-get update \
+    apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-pip python3-venv python-is-python3 ca-certificates passwd \
-    && update-ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && if [ -s /run/secrets/ca_bundle ]; then \
+        cp /run/secrets/ca_bundle /usr/local/share/ca-certificates/build-ca.crt; fi \
+    && update-ca-certificates

@@ -96,15 +96,16 @@ def _install_podman() -> None:
 
 
 def _containers_conf(directory: Path) -> Path:
-    """podman settings this machine needs: ulimits within its hard limits, and runc with
-    the cgroupfs manager (crun refuses hybrid cgroup hierarchies)."""
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    limits = [
-        f"nofile={nofile}:{nofile}" if nofile != resource.RLIM_INFINITY else "",
-        f"nproc={nproc}:{nproc}" if nproc != resource.RLIM_INFINITY else "",
-    ]
-    quoted = ", ".join(f'"{limit}"' for limit in limits if limit)
+    """podman settings this machine needs: ulimits within its hard limits (podman asks for
+    more by default; runc could not set the whole hard process limit here, 32768 it could),
+    and runc with the cgroupfs manager (crun refuses hybrid cgroup hierarchies)."""
+
+    def within(kind: int, wanted: int) -> int:
+        hard = resource.getrlimit(kind)[1]
+        return wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+
+    nofile, nproc = within(resource.RLIMIT_NOFILE, 65536), within(resource.RLIMIT_NPROC, 32768)
+    quoted = f'"nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"'
     lines = ["[containers]", f"default_ulimits = [{quoted}]", "[engine]"]
     if shutil.which("runc"):
         lines += ['runtime = "runc"']
@@ -205,8 +206,7 @@ def wait_healthy(cli: ContainerCli, name: str, timeout_s: float = 420) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cli.inspect(name, "{{.State.Running}}") != "true":
-            logs = cli.run("logs", "--tail", "40", name, check=False)
-            raise AssertionError(f"container {name} stopped:\n{logs.stdout}{logs.stderr}")
+            raise AssertionError(f"container {name} stopped:\n{first_errors(cli, name)}")
         if cli.is_podman:
             if cli.run("healthcheck", "run", name, check=False, timeout=60).returncode == 0:
                 return
@@ -215,6 +215,14 @@ def wait_healthy(cli: ContainerCli, name: str, timeout_s: float = 420) -> None:
         time.sleep(2)
     logs = cli.run("logs", "--tail", "40", name, check=False)
     raise AssertionError(f"{name} not healthy in {timeout_s:.0f} s:\n{logs.stdout}{logs.stderr}")
+
+
+def first_errors(cli: ContainerCli, name: str, lines: int = 40) -> str:
+    """The first ERROR lines of a container's log (where a root cause is), and its tail."""
+    logs = cli.run("logs", name, check=False)
+    text = (logs.stdout + logs.stderr).splitlines()
+    errors = [line for line in text if " ERROR " in line][:lines]
+    return "\n".join(errors + ["--- last lines ---"] + text[-15:])
 
 
 def state(cli: ContainerCli, name: str) -> dict:

