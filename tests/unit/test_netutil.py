@@ -55,9 +55,11 @@ def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch) -> None:
 
 
 def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_range() -> None:
-    """The lease (+1000) and digest (+3000 + rank) ports an engine derives from its side
+    """The lease (+1000) and digest (+500 + rank) ports an engine derives from its side
     channel must not fall where outgoing connections take ports."""
     from vllm_hybrid_nixl.common.netutil import (
+        DIGEST_PORT_OFFSET,
+        LEASE_PORT_OFFSET,
         SIDE_CHANNEL_SPAN,
         can_bind,
         free_side_channel_port,
@@ -66,7 +68,7 @@ def test_a_side_channel_port_keeps_its_derived_ports_free_outside_the_ephemeral_
     ephemeral = ephemeral_range()
     for _ in range(20):
         port = free_side_channel_port()
-        for derived in (port, port + 1000, port + 3000):
+        for derived in (port, port + DIGEST_PORT_OFFSET, port + LEASE_PORT_OFFSET):
             assert can_bind("127.0.0.1", derived)
         if ephemeral is not None:
             start, end = ephemeral
