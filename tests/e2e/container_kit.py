@@ -33,7 +33,7 @@ CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 def progress(message: str) -> None:
-    """A progress line on the terminal, past pytest's capture."""
+    """A progress line on stderr (shown with ``pytest -s``, else in a failure's output)."""
     print(f"[containers] {message}", file=sys.__stderr__, flush=True)
 
 

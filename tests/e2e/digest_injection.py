@@ -17,7 +17,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.pd_fixture import PdPair, decode_errors, metric_sum, request_reruns
+from tests.e2e.pd_fixture import (
+    PdPair,
+    decode_errors,
+    engine_errors,
+    metric_sum,
+    request_reruns,
+)
 
 HOOK_DIR = Path(__file__).resolve().parents[1] / "harness" / "kv_corruption_site"
 CONTROL_VARIABLE = "VLLM_HYBRID_NIXL_TEST_CORRUPT"
@@ -93,14 +99,11 @@ def run_injected(
             arm(control, where, kind, 1)
             answer = client.post(f"{router_url}/v1/completions", json=body)
             if answer.status_code != 200:  # say why: the router's answer, both engines' errors
-                prefill_errors = [
-                    line for line in pair.prefill.log_text().splitlines() if " ERROR " in line
-                ]
                 raise AssertionError(
                     f"HTTP {answer.status_code}: {answer.text[:1500]}\n"
                     f"router health: {httpx.get(f'{router_url}/health', timeout=30).text}\n"
                     f"decode errors: {decode_errors(pair)}\n"
-                    f"prefill errors: {prefill_errors[-5:]}"
+                    f"prefill errors: {engine_errors(pair.prefill, 5)}"
                 )
             missed += fired(control) != 1
             choice = answer.json()["choices"][0]

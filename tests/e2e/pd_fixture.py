@@ -20,6 +20,8 @@ from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.server import RouterServer
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(
@@ -88,10 +90,15 @@ def run_pd_and_colocated(pair: PdPair, body: dict) -> PdVersusColocated:
     )
 
 
+def engine_errors(engine: EngineProcess, last: int = 20) -> str:
+    """An engine's last ERROR lines from its log."""
+    lines = [line for line in engine.log_text().splitlines() if " ERROR " in line]
+    return "\n".join(lines[-last:])
+
+
 def decode_errors(pair: PdPair) -> str:
     """The decode engine's last ERROR lines from its log."""
-    lines = [line for line in pair.decode.log_text().splitlines() if " ERROR " in line]
-    return "\n".join(lines[-20:])
+    return engine_errors(pair.decode)
 
 
 def engine_posts(url: str) -> float:
@@ -193,3 +200,15 @@ def wait_router_ready(url: str, timeout_s: float = 120, layouts: bool = False) -
             return
         time.sleep(0.5)
     raise AssertionError(f"router engines not up: {health}")
+
+
+@contextmanager
+def running_router(pool: BackendPool, layouts: bool = False) -> Iterator[str]:
+    """Our router in this process on a free 127.0.0.1 port in front of ``pool``, ready
+    (:func:`wait_router_ready`); its URL. Stopped on exit."""
+    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    try:
+        wait_router_ready(router.url, layouts=layouts)
+        yield router.url
+    finally:
+        router.stop()

@@ -27,14 +27,13 @@ from tests.e2e.pd_fixture import (
     COMMON_ARGS,
     PdPair,
     metric_sum,
+    running_router,
     start_pair,
-    wait_router_ready,
 )
-from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET, free_port
+from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 
@@ -66,12 +65,10 @@ def stack(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[Stack]:
     )
     pair = next(pairs)
     pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
     try:
-        wait_router_ready(router.url)
-        yield Stack(pair, router.url)
+        with running_router(pool) as router_url:
+            yield Stack(pair, router_url)
     finally:
-        router.stop()
         pairs.close()
 
 

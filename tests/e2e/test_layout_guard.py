@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import COMMON_ARGS, wait_router_ready
+from tests.e2e.pd_fixture import COMMON_ARGS, running_router
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
@@ -23,7 +23,6 @@ from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.protocol.fingerprint import decode as decode_fingerprint
 from vllm_hybrid_nixl.protocol.handshake_probe import fetch_compat_string
 from vllm_hybrid_nixl.router import BackendPool
-from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 PP = compat.side_channel_wants_pp_rank()  # the engines run this process's vLLM
@@ -127,23 +126,19 @@ def test_stock_connector_peer_is_refused_with_the_connector_named(engines: Engin
 
 
 @pytest.fixture(scope="module")
-def mismatched_router(engines: Engines) -> Iterator[RouterServer]:
+def mismatched_router(engines: Engines) -> Iterator[str]:
     pool = BackendPool.from_urls(
         [engines.prefill_64.spec.url],
         [engines.decode_32.spec.url],
         [engines.prefill_64.spec.side_channel],
         [engines.decode_32.spec.side_channel],
     )
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url, layouts=True)
-        yield router
-    finally:
-        router.stop()
+    with running_router(pool, layouts=True) as url:
+        yield url
 
 
-def test_router_health_reports_the_incompatible_pair(mismatched_router: RouterServer) -> None:
-    response = httpx.get(f"{mismatched_router.url}/health", timeout=30.0)
+def test_router_health_reports_the_incompatible_pair(mismatched_router: str) -> None:
+    response = httpx.get(f"{mismatched_router}/health", timeout=30.0)
     assert response.status_code == 503
     health = response.json()
     assert health["status"] == "unavailable"
@@ -154,11 +149,11 @@ def test_router_health_reports_the_incompatible_pair(mismatched_router: RouterSe
 
 
 def test_router_refuses_requests_without_touching_an_engine(
-    engines: Engines, mismatched_router: RouterServer
+    engines: Engines, mismatched_router: str
 ) -> None:
     with httpx.Client(timeout=60.0) as client:
         before = read_kv_transfer_counters(engines.decode_32.spec.url, client)
-        response = client.post(f"{mismatched_router.url}/v1/completions", json=_body(engines.model))
+        response = client.post(f"{mismatched_router}/v1/completions", json=_body(engines.model))
         after = read_kv_transfer_counters(engines.decode_32.spec.url, client)
     assert response.status_code == 503
     error = response.json()["error"]

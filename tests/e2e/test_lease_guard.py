@@ -25,14 +25,19 @@ from tests.e2e.lease_scenario import (
     late_legs,
     prefill_legs,
 )
-from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, engine_posts, start_pair, wait_router_ready
+from tests.e2e.pd_fixture import (
+    COMMON_ARGS,
+    PdPair,
+    engine_posts,
+    running_router,
+    start_pair,
+)
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 
@@ -164,13 +169,11 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
     pool = BackendPool.from_urls(
         [expiring.spec.url, guarded.prefill.spec.url], [guarded.decode.spec.url]
     )
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url)
+    with running_router(pool) as router_url:
         prompt = PROMPTS[0]
         with httpx.Client(timeout=120) as client:
-            answer = client.post(f"{router.url}/v1/completions", json=body(guarded.model, prompt))
-            metrics = client.get(f"{router.url}/metrics").text
+            answer = client.post(f"{router_url}/v1/completions", json=body(guarded.model, prompt))
+            metrics = client.get(f"{router_url}/metrics").text
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected[prompt]
         # Before 0.32 the decode engine computes the refused prompt itself: no re-run needed.
@@ -178,8 +181,6 @@ def test_the_router_reruns_a_refused_request_on_a_fresh_prefill(
         assert sample_sum(metrics, "router_lease_reruns_total") == reruns
         assert engine_posts(expiring.spec.url) == 1
         assert "its lease expired" in guarded.decode.log_text()
-    finally:
-        router.stop()
 
 
 def chat_text(response: httpx.Response, stream: bool) -> str:
@@ -216,17 +217,13 @@ def test_the_router_reruns_refused_chat_requests_streamed_or_not(
     pool = BackendPool.from_urls(
         [expiring.spec.url, guarded.prefill.spec.url], [guarded.decode.spec.url]
     )
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url)
+    with running_router(pool) as router_url:
         posts_before = engine_posts(expiring.spec.url)
         with httpx.Client(timeout=120) as client:
-            answer = client.post(f"{router.url}/v1/chat/completions", json=chat)
-            metrics = client.get(f"{router.url}/metrics").text
+            answer = client.post(f"{router_url}/v1/chat/completions", json=chat)
+            metrics = client.get(f"{router_url}/metrics").text
         assert answer.status_code == 200, answer.text
         assert chat_text(answer, stream) == expected
         reruns = 1 if compat.transfer_results_api() else 0
         assert sample_sum(metrics, "router_lease_reruns_total") == reruns
         assert engine_posts(expiring.spec.url) == posts_before + 1
-    finally:
-        router.stop()

@@ -27,7 +27,12 @@ from tests.e2e.digest_injection import (
 )
 from tests.e2e.lease_scenario import expected_texts, late_legs
 from tests.e2e.mamba_answers import PROMPTS, assert_same_answer, body
-from tests.e2e.pd_fixture import PdPair, run_pd_and_colocated, start_pair, wait_router_ready
+from tests.e2e.pd_fixture import (
+    PdPair,
+    run_pd_and_colocated,
+    running_router,
+    start_pair,
+)
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
@@ -49,13 +54,10 @@ def pair(tiny_mamba_model: Path, tmp_path_factory) -> Iterator[PdPair]:
 
 @pytest.fixture(scope="module")
 def router_url(pair: PdPair) -> Iterator[str]:
-    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url)
-        yield router.url
-    finally:
-        router.stop()
+    with running_router(
+        BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    ) as url:
+        yield url
 
 
 def _same(pd: dict, colocated: dict) -> bool:

@@ -27,6 +27,7 @@ from tests.e2e.pd_fixture import (
     PdPair,
     metric_sum,
     run_pd_and_colocated,
+    running_router,
     start_pair,
     wait_router_ready,
 )
@@ -117,13 +118,9 @@ def test_every_corrupted_sliding_window_read_is_caught_and_rerun(pair: PdPair, w
     client gets the colocated answer (0 wrong). Full attention and Mamba state:
     ``test_pd_mamba``."""
     pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url)
+    with running_router(pool) as router_url:
         bodies = _digest_bodies(pair, f"window {where}")
-        run_injected(pair, router.url, bodies, where, "sliding_window", _same_tokens)
-    finally:
-        router.stop()
+        run_injected(pair, router_url, bodies, where, "sliding_window", _same_tokens)
     assert VERIFIED_LINE in pair.decode.log_text()
 
 

@@ -23,14 +23,12 @@ from tests.e2e.pd_fixture import (
     compute_paused,
     engine_posts,
     metric_sum,
+    running_router,
     start_pair,
-    wait_router_ready,
 )
-from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.server import RouterServer
 
 pytestmark = pytest.mark.e2e
 
@@ -72,13 +70,10 @@ def test_push_worker_is_ready_to_write(pair: PdPair) -> None:
 
 @pytest.fixture(scope="module")
 def router_url(pair: PdPair) -> Iterator[str]:
-    pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
-    try:
-        wait_router_ready(router.url)
-        yield router.url
-    finally:
-        router.stop()
+    with running_router(
+        BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
