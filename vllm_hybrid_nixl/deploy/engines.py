@@ -210,18 +210,21 @@ class EngineProcess:
         )
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the engine's process group (by PID): SIGTERM, then SIGKILL. When the API
-        server is already gone (a crash, the OOM killer), vLLM's engine-core and worker
-        processes may outlive it holding the engine's ports: they are killed too."""
+        """Stop the engine (by PID): SIGTERM to its API server, which drains (:mod:`.drain`
+        of the connector) and stops its own engine-core and worker processes; SIGKILL to
+        the whole process group after ``timeout_s``. When the API server is already gone
+        (a crash, the OOM killer), vLLM's engine-core and worker processes may outlive it
+        holding the engine's ports: they are killed too."""
         if self.process is None:
             return
         pgid = self.process.pid  # start_new_session made the child its group leader
         if self.process.poll() is not None:
             kill_leftover_group(pgid)
             return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        steps = ((os.kill, signal.SIGTERM, timeout_s), (os.killpg, signal.SIGKILL, 5.0))
+        for send, sig, wait in steps:
             try:
-                os.killpg(pgid, sig)
+                send(pgid, sig)
             except ProcessLookupError:
                 return
             try:

@@ -100,7 +100,7 @@ def build_app(
 
     @app.get("/health")
     async def router_health() -> JSONResponse:
-        return health_report(pool, health, pairing)
+        return health_report(pool, health, pairing, settings.colocated_fallback)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -162,9 +162,15 @@ def lifespan(
     return run
 
 
-def health_report(pool: BackendPool, health: HealthTracker, pairing: PairingTable) -> JSONResponse:
+def health_report(
+    pool: BackendPool,
+    health: HealthTracker,
+    pairing: PairingTable,
+    colocated_fallback: bool = False,
+) -> JSONResponse:
     """``/health``: every engine's state and layout; 200 while some prefill/decode pair is up
-    and compatible, else 503."""
+    and compatible, or (``colocated_fallback``) while some engine is up and no layout refusal
+    stands between the roles (``degraded``), else 503."""
     engines = [
         {
             "name": b.label,
@@ -177,17 +183,19 @@ def health_report(pool: BackendPool, health: HealthTracker, pairing: PairingTabl
         for b in pool.all()
     ]
     up = {e["url"] for e in engines if e["up"]}
-    pairable = [
-        (p, d)
-        for p in pool.prefill
-        for d in pool.decode
-        if p.url in up and d.url in up and not pairing.problem(p, d)
-    ]
+    compatible = [(p, d) for p in pool.prefill for d in pool.decode if not pairing.problem(p, d)]
+    pairable = [(p, d) for p, d in compatible if p.url in up and d.url in up]
+    if pairable:
+        status = "ok"
+    elif compatible and up and colocated_fallback:
+        status = "degraded: no prefill/decode pair is up; requests run colocated"
+    else:
+        status = "unavailable"
     return JSONResponse(
         {
-            "status": "ok" if pairable else "unavailable",
+            "status": status,
             "engines": engines,
             "pairing_problems": pairing.problems(pool.prefill, pool.decode),
         },
-        status_code=200 if pairable else 503,
+        status_code=503 if status == "unavailable" else 200,
     )

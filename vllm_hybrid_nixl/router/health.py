@@ -112,6 +112,15 @@ class HealthTracker:
             if health.state is EngineState.UNKNOWN or health.probe_failures >= self._eject_after:
                 self._set(health, EngineState.DOWN)
 
+    def mark_draining(self, backend: Backend) -> None:
+        """The engine answered that it is shutting down: down at once (not a failure of
+        the breaker); a later good probe (the engine back, restarted) brings it up."""
+        with self._lock:
+            health = self._engines[backend.url]
+            health.probe_failures = max(health.probe_failures, self._eject_after)
+            health.last_error = "draining (shutting down)"
+            self._set(health, EngineState.DOWN)
+
     def record_success(self, backend: Backend) -> None:
         with self._lock:
             health = self._engines[backend.url]

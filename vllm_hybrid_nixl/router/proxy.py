@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from vllm_hybrid_nixl.protocol.draining import DRAINING_TYPE
 from vllm_hybrid_nixl.protocol.lease_table import READ, LeaseState
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress, LeaseAskFailed, ask
 from vllm_hybrid_nixl.router.backends import Backend, BackendPool, NoCompatiblePairError
@@ -271,6 +272,8 @@ class Disaggregator:
             self.leg_ended(backend)
             raise
         self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
+        if response.status == 503 and upstream_error(response).get("type") == DRAINING_TYPE:
+            raise self._draining(leg, backend, response)
         if response.status != 200:
             kind = "client_error" if 400 <= response.status < 500 else "engine_error"
             error = LegError(
@@ -292,6 +295,17 @@ class Disaggregator:
         if not stream:
             self.leg_ended(backend)
         return response
+
+    def _draining(self, leg: str, backend: Backend, response: LegResponse) -> LegError:
+        """The engine is shutting down and refused the leg before running it: out of
+        rotation until a probe finds it serving again; the leg was not delivered."""
+        self.leg_ended(backend)
+        self.metrics.leg_requests.labels(leg, backend.url, "draining").inc()
+        self.health.mark_draining(backend)
+        logger.info("engine %s (%s) is draining; it leaves rotation", backend.label, backend.url)
+        return LegError(
+            leg, backend, 503, upstream_detail(response), "engine_error", delivered=False
+        )
 
     def _failed(self, error: LegError) -> LegError:
         self.leg_ended(error.backend)
@@ -445,6 +459,32 @@ class Disaggregator:
             )
         return DecodeAnswer(prefill, decode, response, first)
 
+    async def colocated_instead(
+        self, missing: NoEngineError, path: str, body: dict[str, Any], stream: bool
+    ) -> DecodeAnswer:
+        """No engine could take one leg (none up, e.g. during a rolling restart, or every
+        one failed): with ``colocated_fallback`` the whole request runs on one engine that
+        is up, a decode engine first, as an ordinary request (no KV moves). Without it, or
+        with no engine up, ``missing`` is raised."""
+        if not self.settings.colocated_fallback:
+            raise missing
+        reason = f"no_{missing.leg}"
+        for role in ("decode", "prefill"):
+            engine = self._pick(role, self.health.usable, [], [])
+            if engine is None:
+                continue
+            self.metrics.policy_choices.labels("colocated", reason, engine.url).inc()
+            logger.info(
+                "no %s engine could take the request; running it colocated on %s",
+                missing.leg,
+                engine.label,
+            )
+            response = await self.send_leg("colocated", engine, path, body, stream)
+            if not stream:
+                return DecodeAnswer(engine, engine, response)
+            return await self._checked_stream(engine, engine, response)
+        raise missing
+
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
         stream = bool(body.get("stream"))
@@ -452,11 +492,16 @@ class Disaggregator:
         avoid_decode: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):
             legs_body = {**body, "request_id": leg_request_id()}
-            prefill, params = await self.prefill(path, legs_body, avoid)
+            try:
+                prefill, params = await self.prefill(path, legs_body, avoid)
+            except NoEngineError as exc:
+                return await self.colocated_instead(exc, path, legs_body, stream)
             try:
                 return await self.decode(
                     prefill, path, {**legs_body, "kv_transfer_params": params}, stream, avoid_decode
                 )
+            except NoEngineError as exc:
+                return await self.colocated_instead(exc, path, legs_body, stream)
             except LegError as exc:
                 rerun = exc.kind in ("engine_error", "unreachable")
                 if not rerun or attempt == self.settings.request_retries:

@@ -70,6 +70,12 @@ class RouterSettings(BaseModel):
     request_retries: int = Field(
         1, ge=0, description="whole-request re-runs after a decode engine's 5xx or broken link"
     )
+    colocated_fallback: bool = Field(
+        True,
+        description="when no prefill (or no decode) engine can take a request, e.g. during a "
+        "rolling restart, run it whole on an engine that is up (a decode engine first) "
+        "instead of failing it",
+    )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
     )
