@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,14 +34,17 @@ from tests.e2e.container_kit import (
     state,
     wait_healthy,
 )
+from tests.e2e.rolling_load import CLIENTS, REQUEST_TIMEOUT_S, Load, alone
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 
 pytestmark = pytest.mark.e2e
 
 SUBNET = "10.213.7"  # a private /24 for the test's container network
 ENGINE_ARGS = ["--block-size", "64", "--enforce-eager", "--max-model-len", "1024"]
 STOP_GRACE_S = 30
+DRAIN_GRACE_S = 120  # the engines' drain is bounded below this (60 s + vLLM's 45 s)
 CLIENT_KEY = uuid.uuid4().hex
 PROMPTS = [
     "containers move the kv cache between",
@@ -195,6 +199,57 @@ def test_nothing_of_the_containers_runs_on_the_host_network(pd: PdContainers) ->
     for name in pd.names.values():
         mode = pd.cli.inspect(name, "{{.HostConfig.NetworkMode}}")
         assert mode not in ("host", ""), (name, mode)
+
+
+def router_engine_state(pd: PdContainers, role: str) -> str:
+    engines = httpx.get(f"{pd.urls['router']}/health", timeout=10).json()["engines"]
+    return next(e["state"] for e in engines if e["role"] == role)
+
+
+def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdContainers) -> None:
+    """``docker stop`` (SIGTERM: the engine drains) then ``docker start``, the prefill
+    container and then the decode one, while 32 clients keep requests running through the
+    router container: every answer equals the decode engine's alone (token ids), none fails
+    or hangs; the router ran requests colocated while a role was away, and P/D resumed."""
+    expected = alone(pd.urls["decode"], "/models/tiny")
+    headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
+    load = Load(pd.urls["router"], "/models/tiny", expected, headers)
+    clients = [threading.Thread(target=load.run, args=(i,)) for i in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    stopped = {}
+    try:
+        load.wait_answers(CLIENTS)
+        for role in ("prefill", "decode"):
+            name = pd.names[role]
+            progress(f"restarting the {role} container under load")
+            started = time.monotonic()
+            pd.cli.run("stop", "-t", str(DRAIN_GRACE_S), name, timeout=DRAIN_GRACE_S + 60)
+            stopped[role] = (round(time.monotonic() - started, 1), state(pd.cli, name)["ExitCode"])
+            pd.cli.run("start", name)
+            wait_healthy(pd.cli, name)
+            deadline = time.monotonic() + 60
+            while router_engine_state(pd, role) != "up":
+                assert time.monotonic() < deadline, f"the router did not take the {role} back"
+                time.sleep(0.5)
+            with httpx.Client(timeout=60) as client:
+                before = read_kv_transfer_counters(pd.urls["decode"], client)
+            load.wait_answers(CLIENTS)
+            with httpx.Client(timeout=60) as client:
+                moved = read_kv_transfer_counters(pd.urls["decode"], client) - before
+            assert moved.nixl_bytes > 0, f"no P/D after the {role} container came back"
+    finally:
+        load.stop.set()
+        for client in clients:
+            client.join(timeout=REQUEST_TIMEOUT_S + 30)
+    progress(f"outcomes {dict(load.outcomes)}; stops (s, exit code) {stopped}")
+    assert not load.problems, load.problems[:10]
+    assert load.outcomes["ok"] >= 3 * CLIENTS
+    assert all(code == 0 for _, code in stopped.values()), stopped
+    metrics = read_metrics(pd.urls["router"], None, timeout_s=10.0)
+    for reason in ("no_prefill", "no_decode"):
+        assert sample_sum(metrics, "router_policy_choices_total", reason=reason) > 0, reason
+    assert sample_sum(metrics, "router_lease_reruns_total") == 0
 
 
 def test_stop_ends_every_container_within_its_grace_period(pd: PdContainers) -> None:

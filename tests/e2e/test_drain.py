@@ -3,7 +3,7 @@
 While 32 clients keep requests running through the router (streamed and not, greedy), the
 prefill engine is stopped (SIGTERM: it drains, :mod:`vllm_hybrid_nixl.connector.drain`) and
 started again on the same ports, then the decode engine. Every answer must equal the decode
-engine's own answer alone (token for token, as text), none may fail or hang; while one role
+engine's own answer alone (the same token ids), none may fail or hang; while one role
 is away the router runs requests colocated on the other engine, and P/D resumes once the
 engine is back (the decode engine reads KV over NIXL again). The drained prefill served the
 reads its leases had promised: no request was re-run for a released lease.
@@ -11,122 +11,23 @@ reads its leases had promised: no request was re-run for a released lease.
 
 from __future__ import annotations
 
-import itertools
-import json
 import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.pd_fixture import PdPair, running_router, start_pair
+from tests.e2e.rolling_load import CLIENTS, MAX_TOKENS, REQUEST_TIMEOUT_S, Load, alone
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.router.backends import BackendPool
 
 pytestmark = pytest.mark.e2e
-
-CLIENTS = 32
-MAX_TOKENS = 24
-REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this counts as hung
-FILLER = "the kv cache moves between engines "
-PROMPTS = [f"rolling restart {i}: " + FILLER * 4 * i for i in range(8)]
-
-
-@dataclass
-class Load:
-    """Clients sending requests through the router until stopped; outcomes by kind."""
-
-    router_url: str
-    model: str
-    expected: dict[str, list[int]]
-    outcomes: Counter = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def run(self, client_index: int) -> None:
-        turns = itertools.count(client_index)
-        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            while not self.stop.is_set():
-                turn = next(turns)
-                prompt = PROMPTS[turn % len(PROMPTS)]
-                self.record(*self.one(client, prompt, stream=turn % 2 == 0))
-
-    def one(self, client: httpx.Client, prompt: str, stream: bool) -> tuple[str, str]:
-        body = request_body(self.model, prompt)
-        body["stream"] = stream
-        expected = self.expected[prompt]
-        url = f"{self.router_url}/v1/completions"
-        tokens: list[int] = []
-        try:
-            if stream:
-                with client.stream("POST", url, json=body) as answer:
-                    if answer.status_code != 200:
-                        return (
-                            "failed",
-                            f"stream HTTP {answer.status_code}: {answer.read()[:300]!r}",
-                        )
-                    for line in answer.iter_lines():
-                        if line.startswith("data: {"):
-                            event = json.loads(line[6:])
-                            if "error" in event:
-                                return "failed", f"error event {event['error']}"
-                            tokens += event["choices"][0].get("token_ids") or []
-            else:
-                answer = client.post(url, json=body)
-                if answer.status_code != 200:
-                    return "failed", f"HTTP {answer.status_code}: {answer.text[:300]}"
-                tokens = answer.json()["choices"][0]["token_ids"]
-        except httpx.TimeoutException as exc:
-            return "hung", f"no answer in {REQUEST_TIMEOUT_S:g} s: {exc!r}"
-        except httpx.HTTPError as exc:
-            return "failed", repr(exc)
-        if tokens != expected:
-            return "wrong", f"{prompt[:30]!r} (stream {stream}): {tokens} != {expected}"
-        return "ok", ""
-
-    def record(self, kind: str, problem: str) -> None:
-        with self.lock:
-            self.outcomes[kind] += 1
-            if problem:
-                self.problems.append(f"{kind}: {problem}")
-
-    def answered(self) -> int:
-        with self.lock:
-            return self.outcomes["ok"]
-
-    def wait_answers(self, more: int, timeout_s: float = 300.0) -> None:
-        """Until ``more`` further right answers came; fails at the first problem."""
-        target, deadline = self.answered() + more, time.monotonic() + timeout_s
-        while self.answered() < target:
-            with self.lock:
-                assert not self.problems, self.problems[:5]
-            assert time.monotonic() < deadline, f"no {more} answers in {timeout_s} s"
-            time.sleep(0.2)
-
-
-def request_body(model: str, prompt: str) -> dict:
-    """Greedy, a fixed length, token ids in the answer (random weights: compare ids)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-    body.update(ignore_eos=True, return_token_ids=True)
-    return body
-
-
-def alone(engine_url: str, model: str) -> dict[str, list[int]]:
-    """Each prompt's token ids from one engine alone."""
-    with httpx.Client(timeout=300.0) as client:
-        answers = {
-            p: client.post(f"{engine_url}/v1/completions", json=request_body(model, p))
-            for p in PROMPTS
-        }
-    return {p: a.json()["choices"][0]["token_ids"] for p, a in answers.items()}
 
 
 @pytest.fixture(scope="module")

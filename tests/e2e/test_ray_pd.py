@@ -37,6 +37,7 @@ from tests.e2e.pd_fixture import (
     metric_sum,
     request_reruns,
 )
+from tests.e2e.rolling_load import CLIENTS, REQUEST_TIMEOUT_S, Load, alone
 from vllm_hybrid_nixl.deploy.keepalive import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_VAR
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import sample_sum, sample_values
@@ -654,3 +655,32 @@ def test_killed_engines_restart_and_serve_again(
             assert send_async_sync(url, short)[0] == 200
         assert leg_ok_count(deployment, engine_url) > before, f"{name} got no leg after restart"
         print(f"\nFAULT {name}: back in rotation and serving {back_after:.0f}s after the kill")
+
+
+def test_a_rolling_restart_under_load_loses_no_request(
+    deployment: PDDeployment, tiny_hybrid_model
+) -> None:
+    """What ``serve`` does on SIGHUP: every engine drains and restarts in turn (prefill engines
+    first) while 32 clients keep requests running through the router; every answer equals
+    one engine's alone (token ids), none fails or hangs, no lease ends in a re-run, each
+    engine exits 0 on its SIGTERM, and the other engine of its role carries the traffic."""
+    model = str(tiny_hybrid_model)
+    expected = alone(colocated_url(deployment), model, ENGINE)
+    load = Load(deployment.router_url, model, expected, ROUTER)
+    clients = [threading.Thread(target=load.run, args=(i,)) for i in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    try:
+        load.wait_answers(CLIENTS)
+        restarted = deployment.rolling_restart()
+        load.wait_answers(CLIENTS)
+    finally:
+        load.stop.set()
+        for client in clients:
+            client.join(timeout=REQUEST_TIMEOUT_S + 30)
+    print(f"\nROLLING {dict(load.outcomes)}; {[(r['name'], r['stopped_s']) for r in restarted]}")
+    assert not load.problems, load.problems[:10]
+    assert [r["exit_code"] for r in restarted] == [0] * len(deployment.engines), restarted
+    assert [r["role"] for r in restarted] == ["prefill", "prefill", "decode", "decode"]
+    metrics = httpx.get(f"{deployment.router_url}/metrics", timeout=10).text
+    assert sample_sum(metrics, "router_lease_reruns_total") == 0

@@ -77,6 +77,7 @@ class EngineActor:
         self.engine = EngineProcess(spec, self.log_dir / f"{name}.log")
         self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
         self.restarts = 0
+        self.planned_restarts = 0
         self.restart_log: list[dict[str, Any]] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -142,6 +143,24 @@ class EngineActor:
                     file=sys.stderr,
                     flush=True,
                 )
+
+    def restart(self, drain_timeout_s: float = 120.0) -> dict[str, Any]:
+        """Stop the engine (SIGTERM: it drains, then exits) and start it again on the same
+        ports under a new NIXL engine id; asked for (a rolling restart), so it does not count
+        towards ``max_restarts``. The stop's seconds and exit code are in the answer."""
+        with self._lock:
+            started = time.monotonic()
+            self.engine.stop(timeout_s=drain_timeout_s)
+            stopped_s = time.monotonic() - started
+            code = self.engine.process.returncode if self.engine.process else None
+            old = self.engine.spec
+            spec = dataclasses.replace(
+                old, engine_id=f"{self.name}-{uuid.uuid4().hex[:8]}" if old.engine_id else None
+            )
+            self.planned_restarts += 1
+            log = self.log_dir / f"{self.name}.rolling-{self.planned_restarts}.log"
+            self.engine = EngineProcess(spec, log).start()
+        return {**self.info(), "stopped_s": round(stopped_s, 1), "exit_code": code}
 
     def info(self) -> dict[str, Any]:
         spec = self.engine.spec

@@ -331,6 +331,53 @@ class PDDeployment:
 
     # ---- facts for callers -------------------------------------------------------------
 
+    def rolling_restart(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Restart every engine, one at a time, prefill engines first: each drains and exits
+        (the router takes it out of rotation at once), starts again on its ports, and the
+        next one follows once the router has it back in rotation. Each engine's answer
+        (its stop's seconds and exit code among it)."""
+        if self.router is None:
+            raise RuntimeError("the deployment is not started")
+        timeout_s = timeout_s or self.config.startup_timeout_s
+        done = []
+        for engine in sorted(self.engines, key=lambda e: e.role != "prefill"):
+            _say(f"rolling restart: {engine.name} drains and restarts")
+            answer = ray.get(engine.actor.restart.remote(), timeout=timeout_s)
+            engine.info.update({k: v for k, v in answer.items() if k in engine.info})
+            self._wait_in_rotation(engine, time.monotonic() + timeout_s)
+            _say(
+                f"rolling restart: {engine.name} back (stopped in {answer['stopped_s']} s, "
+                f"exit code {answer['exit_code']})"
+            )
+            done.append(answer)
+        return done
+
+    def _wait_in_rotation(self, engine: EngineHandle, deadline: float) -> None:
+        """Until ``engine`` serves and the router lists it as up."""
+        url = engine.info["url"]
+        while time.monotonic() < deadline:
+            status = ray.get(engine.actor.status.remote(), timeout=60)
+            if not status["alive"]:
+                raise EngineNotReadyError(
+                    f"engine {engine.name} ({url}) exited with code {status['returncode']} "
+                    "after its restart; last log lines:\n" + ray.get(engine.actor.log_tail.remote())
+                )
+            if status["healthy"] and self._router_lists_up(url):
+                return
+            time.sleep(1.0)
+        raise EngineNotReadyError(f"engine {engine.name} ({url}) was not back in rotation in time")
+
+    def _router_lists_up(self, engine_url: str) -> bool:
+        headers = {}
+        if self.router_settings.protect_probes and self.keys.api_key:
+            headers["Authorization"] = f"Bearer {self.keys.api_key}"
+        try:
+            report = httpx.get(f"{self.router_url}/health", headers=headers, timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        engines = report.get("engines", []) if isinstance(report, dict) else []
+        return any(e.get("url") == engine_url and e.get("up") for e in engines)
+
     @property
     def router_url(self) -> str:
         if self.router is None:

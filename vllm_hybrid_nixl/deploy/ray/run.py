@@ -1,4 +1,5 @@
-"""Run a deployment until Ctrl-C / SIGTERM, then stop everything it started."""
+"""Run a deployment until Ctrl-C / SIGTERM, then stop everything it started; SIGHUP restarts
+its engines one at a time (:meth:`PDDeployment.rolling_restart`), serving throughout."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def serve_until_signalled(config: PDConfig) -> int:
     """
     stop = threading.Event()
     serving = threading.Event()
+    restart = threading.Event()
+
+    def on_hangup(_signum: int, _frame: object) -> None:
+        print("received SIGHUP: rolling restart of the engines", file=sys.stderr, flush=True)
+        restart.set()
 
     def on_signal(signum: int, _frame: object) -> None:
         print(f"received {signal.Signals(signum).name}, shutting down", file=sys.stderr)
@@ -39,10 +45,17 @@ def serve_until_signalled(config: PDConfig) -> int:
         deployment.start()
         for sig in SIGNALS:  # ray.init installs handlers of its own that abort the driver
             signal.signal(sig, on_signal)
+        signal.signal(signal.SIGHUP, on_hangup)
         serving.set()
         print(f"router: {deployment.router_url}", flush=True)
         while not stop.wait(1.0):
-            pass
+            if restart.is_set():
+                restart.clear()
+                try:
+                    deployment.rolling_restart()
+                    print("rolling restart done", file=sys.stderr, flush=True)
+                except EngineNotReadyError as exc:  # keep serving with what runs
+                    print(f"error: rolling restart stopped: {exc}", file=sys.stderr, flush=True)
         return 0
     except KeyboardInterrupt:
         return 130
@@ -57,6 +70,7 @@ def serve_until_signalled(config: PDConfig) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         deployment.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

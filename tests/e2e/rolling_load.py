@@ -1,0 +1,113 @@
+"""Clients that keep requests running through a router while engines restart, and the
+answers they must get (one engine's alone, token for token): shared by the rolling-restart
+tests of plain engines (``test_drain``) and of containers (``test_containers``)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+CLIENTS = 32
+MAX_TOKENS = 24
+REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this counts as hung
+FILLER = "the kv cache moves between engines "
+PROMPTS = [f"rolling restart {i}: " + FILLER * 4 * i for i in range(8)]
+
+
+@dataclass
+class Load:
+    """Clients sending requests through the router until stopped; outcomes by kind."""
+
+    router_url: str
+    model: str
+    expected: dict[str, list[int]]
+    headers: dict[str, str] = field(default_factory=dict)
+    outcomes: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, client_index: int) -> None:
+        turns = itertools.count(client_index)
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, headers=self.headers) as client:
+            while not self.stop.is_set():
+                turn = next(turns)
+                prompt = PROMPTS[turn % len(PROMPTS)]
+                self.record(*self.one(client, prompt, stream=turn % 2 == 0))
+
+    def one(self, client: httpx.Client, prompt: str, stream: bool) -> tuple[str, str]:
+        body = request_body(self.model, prompt)
+        body["stream"] = stream
+        expected = self.expected[prompt]
+        url = f"{self.router_url}/v1/completions"
+        tokens: list[int] = []
+        try:
+            if stream:
+                with client.stream("POST", url, json=body) as answer:
+                    if answer.status_code != 200:
+                        return (
+                            "failed",
+                            f"stream HTTP {answer.status_code}: {answer.read()[:300]!r}",
+                        )
+                    for line in answer.iter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                return "failed", f"error event {event['error']}"
+                            tokens += event["choices"][0].get("token_ids") or []
+            else:
+                answer = client.post(url, json=body)
+                if answer.status_code != 200:
+                    return "failed", f"HTTP {answer.status_code}: {answer.text[:300]}"
+                tokens = answer.json()["choices"][0]["token_ids"]
+        except httpx.TimeoutException as exc:
+            return "hung", f"no answer in {REQUEST_TIMEOUT_S:g} s: {exc!r}"
+        except httpx.HTTPError as exc:
+            return "failed", repr(exc)
+        if tokens != expected:
+            return "wrong", f"{prompt[:30]!r} (stream {stream}): {tokens} != {expected}"
+        return "ok", ""
+
+    def record(self, kind: str, problem: str) -> None:
+        with self.lock:
+            self.outcomes[kind] += 1
+            if problem:
+                self.problems.append(f"{kind}: {problem}")
+
+    def answered(self) -> int:
+        with self.lock:
+            return self.outcomes["ok"]
+
+    def wait_answers(self, more: int, timeout_s: float = 300.0) -> None:
+        """Until ``more`` further right answers came; fails at the first problem."""
+        target, deadline = self.answered() + more, time.monotonic() + timeout_s
+        while self.answered() < target:
+            with self.lock:
+                assert not self.problems, self.problems[:5]
+            assert time.monotonic() < deadline, f"no {more} answers in {timeout_s} s"
+            time.sleep(0.2)
+
+
+def request_body(model: str, prompt: str) -> dict:
+    """Greedy, a fixed length, token ids in the answer (random weights: compare ids)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    body.update(ignore_eos=True, return_token_ids=True)
+    return body
+
+
+def alone(
+    engine_url: str, model: str, headers: dict[str, str] | None = None
+) -> dict[str, list[int]]:
+    """Each prompt's token ids from one engine alone."""
+    with httpx.Client(timeout=300.0, headers=headers or {}) as client:
+        answers = {
+            p: client.post(f"{engine_url}/v1/completions", json=request_body(model, p))
+            for p in PROMPTS
+        }
+    return {p: a.json()["choices"][0]["token_ids"] for p, a in answers.items()}
