@@ -12,10 +12,15 @@
 #
 # VLLM_VERSION defaults to the newest tested release (vllm_hybrid_nixl/common/releases.py;
 # a test holds the two equal); `--build-arg VLLM_VERSION=0.32.0` builds on another one, and
-# VLLM_IMAGE replaces the base image altogether.
+# VLLM_IMAGE replaces the base image altogether. VLLM_FLAVOR=cpu installs against a base
+# whose vLLM is the CPU build (how CI builds this file without a GPU base: docs/deploy.md).
+# Behind a TLS-inspecting proxy or a private index, give pip its settings as build secrets:
+#   --secret id=pip_conf,src=/etc/pip.conf --secret id=ca_bundle,src=/path/to/ca-bundle.crt
 ARG VLLM_VERSION=0.34.0
 ARG VLLM_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
 FROM ${VLLM_IMAGE}
+
+ARG VLLM_FLAVOR=cuda
 
 WORKDIR /opt/vllm-hybrid-nixl
 COPY setup.py pyproject.toml README.md ./
@@ -24,7 +29,13 @@ COPY scripts ./scripts
 COPY configs ./configs
 
 # Into the image's own Python; its vLLM satisfies the [cuda] extra.
-RUN VENV=system VLLM_FLAVOR=cuda PYTHON=python3 PIP_NO_CACHE_DIR=1 bash scripts/install.sh \
+RUN --mount=type=secret,id=pip_conf,target=/run/secrets/pip_conf \
+    --mount=type=secret,id=ca_bundle,target=/run/secrets/ca_bundle \
+    if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi \
+    && if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && VENV=system VLLM_FLAVOR=${VLLM_FLAVOR} PYTHON=python3 PIP_NO_CACHE_DIR=1 \
+        INSTALL_LOG=/tmp/install.log bash scripts/install.sh \
+    && rm -f /tmp/install.log \
     && python3 -m vllm_hybrid_nixl.deploy.container check-image
 
 ENV HF_HUB_OFFLINE=0 \

@@ -18,7 +18,10 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,20 +82,8 @@ def _docker_daemon_runs() -> bool:
 
 
 def _install_podman() -> None:
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise AssertionError(
-            "no container engine here (neither podman nor a running Docker daemon), and "
-            "podman cannot be installed (needs root and apt-get): install podman or docker"
-        )
     progress("installing podman from Debian's packages (about 20 s)")
-    command = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise AssertionError(f"apt-get install podman failed:\n{done.stderr[-3000:]}")
+    _apt_install(PACKAGES, "no container engine here (neither podman nor a running Docker daemon)")
 
 
 def _containers_conf(directory: Path) -> Path:
@@ -157,6 +148,20 @@ def host_pip_settings(directory: Path) -> tuple[Path, list[Path]]:
     return conf, roots
 
 
+def pip_build_args(cli: ContainerCli, directory: Path) -> list[str]:
+    """Build flags that give pip inside a build this machine's settings: its pip.conf and CA
+    bundle as build secrets, the local package directories they name as read-only volumes."""
+    pip_conf, local_dirs = host_pip_settings(directory)
+    args = ["--secret", f"id=pip_conf,src={pip_conf}"]
+    if CA_BUNDLE.exists():
+        args += ["--secret", f"id=ca_bundle,src={CA_BUNDLE}"]
+    if cli.is_podman:
+        args += ["--format", "docker"]  # keeps HEALTHCHECK (the OCI format has none)
+        for path in local_dirs:
+            args += ["--volume", f"{path}:{path}:ro"]
+    return args
+
+
 @dataclass(frozen=True)
 class BuiltImage:
     name: str
@@ -181,16 +186,9 @@ def build_cpu_image(cli: ContainerCli, directory: Path) -> BuiltImage:
     if base.returncode != 0:
         raise AssertionError(f"local-base.sh failed:\n{base.stderr[-3000:]}")
     base_s = time.monotonic() - started
-    pip_conf, local_dirs = host_pip_settings(directory)
     args = ["build", "-f", str(REPO / "Dockerfile.cpu"), "-t", IMAGE]
     args += ["--build-arg", f"BASE_IMAGE={base.stdout.strip()}", "--build-arg", "TORCH_INDEX_URL="]
-    args += ["--secret", f"id=pip_conf,src={pip_conf}"]
-    if CA_BUNDLE.exists():
-        args += ["--secret", f"id=ca_bundle,src={CA_BUNDLE}"]
-    if cli.is_podman:
-        args += ["--format", "docker"]  # keeps HEALTHCHECK (the OCI format has none)
-        for path in local_dirs:
-            args += ["--volume", f"{path}:{path}:ro"]
+    args += pip_build_args(cli, directory)
     progress(f"building {IMAGE} from Dockerfile.cpu (a few minutes)")
     started = time.monotonic()
     cli.run(*args, str(REPO), timeout=1800)
@@ -198,6 +196,27 @@ def build_cpu_image(cli: ContainerCli, directory: Path) -> BuiltImage:
     size = int(cli.run("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
     progress(f"built {IMAGE}: {size / 2**30:.2f} GiB in {build_s:.0f} s")
     return BuiltImage(IMAGE, base.stdout.strip(), build_s, base_s, size)
+
+
+def build_gpu_dockerfile_on_stand_in(
+    cli: ContainerCli, cpu_image: BuiltImage, directory: Path
+) -> BuiltImage:
+    """The GPU ``Dockerfile`` with its base replaced by a stand-in: the CPU image run as root
+    (as vllm/vllm-openai runs), installed with VLLM_FLAVOR=cpu. No CUDA base image or GPU is
+    reachable here; everything after ``FROM`` runs."""
+    stand_in = "localhost/vllm-hybrid-nixl:gpu-stand-in"
+    (directory / "Containerfile").write_text(f"FROM {cpu_image.name}\nUSER root\n")
+    cli.run("build", "-t", stand_in, str(directory), timeout=600)
+    image = "localhost/vllm-hybrid-nixl:gpu-dockerfile-test"
+    args = ["build", "-f", str(REPO / "Dockerfile"), "-t", image]
+    args += ["--build-arg", f"VLLM_IMAGE={stand_in}", "--build-arg", "VLLM_FLAVOR=cpu"]
+    args += pip_build_args(cli, directory)
+    progress(f"building the GPU Dockerfile on {stand_in}")
+    started = time.monotonic()
+    cli.run(*args, str(REPO), timeout=1800)
+    build_s = time.monotonic() - started
+    size = int(cli.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
+    return BuiltImage(image, stand_in, build_s, 0.0, size)
 
 
 def wait_healthy(cli: ContainerCli, name: str, timeout_s: float = 420) -> None:
@@ -227,3 +246,140 @@ def first_errors(cli: ContainerCli, name: str, lines: int = 40) -> str:
 
 def state(cli: ContainerCli, name: str) -> dict:
     return json.loads(cli.inspect(name, "{{json .State}}"))
+
+
+def _apt_install(packages: list[str], why: str) -> None:
+    """Debian packages, as root (the tests' machines have apt-get and no registry)."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise AssertionError(f"{why}, and cannot install {packages} (needs root and apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    command = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(f"apt-get install {packages} failed:\n{done.stderr[-3000:]}")
+
+
+@dataclass
+class ComposeTool:
+    """A compose CLI and the environment that points it at the container engine."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+    def run(
+        self, *args: str, env: dict[str, str], timeout: float = 900, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [*self.argv, *args],
+            env={**os.environ, **self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(self.argv)} {' '.join(args[:4])} ... exited {done.returncode}:\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
+        return done
+
+
+def _docker_api_ready(socket_path: Path) -> bool:
+    import httpx
+
+    try:
+        transport = httpx.HTTPTransport(uds=str(socket_path))
+        with httpx.Client(transport=transport, timeout=5) as client:
+            return client.get("http://engine/_ping").text.strip() == "OK"
+    except (httpx.HTTPError, OSError):
+        return False
+
+
+@contextmanager
+def compose_tool(cli: ContainerCli, directory: Path) -> Iterator[ComposeTool]:
+    """``docker compose`` against a running Docker daemon; with podman, Debian's
+    ``docker-compose`` (installed where missing) talking to podman's Docker API, served for
+    the duration by ``podman system service`` (stopped by its PID)."""
+    if not cli.is_podman:
+        probe = subprocess.run([cli.path, "compose", "version"], capture_output=True, check=False)
+        yield ComposeTool(
+            [cli.path, "compose"] if probe.returncode == 0 else ["docker-compose"], {}
+        )
+        return
+    if shutil.which("docker-compose") is None:
+        progress("installing docker-compose from Debian's packages")
+        _apt_install(["docker-compose"], "no compose tool here")
+    socket_path = directory / "podman.sock"
+    service = subprocess.Popen(
+        [cli.path, "system", "service", "--time=0", f"unix://{socket_path}"],
+        env={**os.environ, **cli.env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _docker_api_ready(socket_path):
+            if service.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("podman system service did not serve the Docker API")
+            time.sleep(0.5)
+        env = {"DOCKER_HOST": f"unix://{socket_path}", "COMPOSE_HTTP_TIMEOUT": "600"}
+        yield ComposeTool([shutil.which("docker-compose") or "docker-compose"], env)
+    finally:
+        service.terminate()
+        try:
+            service.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            service.kill()
+            service.wait(timeout=30)
+
+
+class HealthTicker:
+    """Runs the health checks of one compose project's containers every few seconds, the
+    job systemd timers do for podman on a machine with systemd (a Docker daemon runs its
+    own: then this only watches). Records when each container was first seen and first
+    passed its check, by wall-clock time."""
+
+    def __init__(self, cli: ContainerCli, project: str, interval_s: float = 3.0) -> None:
+        self.cli, self.project, self.interval_s = cli, project, interval_s
+        self.first_seen: dict[str, float] = {}
+        self.first_healthy: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthTicker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def services(self) -> dict[str, str]:
+        """Running containers of the project: service name -> container name."""
+        listed = self.cli.run(
+            "ps", "--filter", f"label=com.docker.compose.project={self.project}",
+            "--format", '{{.Names}} {{index .Labels "com.docker.compose.service"}}',
+            check=False, timeout=60,
+        ).stdout  # fmt: skip
+        return {
+            words[1]: words[0] for words in (line.split() for line in listed.splitlines())
+            if len(words) == 2
+        }  # fmt: skip
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for service, name in self.services().items():
+                self.first_seen.setdefault(service, time.time())
+                if self.cli.is_podman:  # every check run by hand, healthy or not
+                    done = self.cli.run("healthcheck", "run", name, check=False, timeout=60)
+                    healthy = done.returncode == 0
+                elif service in self.first_healthy:
+                    continue
+                else:
+                    healthy = self.cli.inspect(name, "{{.State.Health.Status}}") == "healthy"
+                if healthy:
+                    self.first_healthy.setdefault(service, time.time())

@@ -28,7 +28,10 @@ import pytest
 from tests.e2e.container_kit import (
     BuiltImage,
     ContainerCli,
+    HealthTicker,
     build_cpu_image,
+    build_gpu_dockerfile_on_stand_in,
+    compose_tool,
     container_cli,
     progress,
     state,
@@ -170,6 +173,26 @@ def test_the_image_builds_without_a_registry_and_reports_itself(
     )
 
 
+def test_the_gpu_dockerfile_builds_on_a_stand_in_base_and_passes_its_image_check(
+    cli: ContainerCli, cpu_image: BuiltImage, tmp_path: Path
+) -> None:
+    """The GPU ``Dockerfile`` built with a stand-in base (the CPU image as root, the
+    VLLM_FLAVOR=cpu install), since neither vllm/vllm-openai nor a GPU is reachable here:
+    its copies, scripts/install.sh into the base's own Python and ``check-image`` run at
+    build time; the built image's entry point, health check and ``check-image`` answer."""
+    built = build_gpu_dockerfile_on_stand_in(cli, cpu_image, tmp_path)
+    (found,) = json.loads(cli.run("image", "inspect", built.name).stdout)
+    config = found["Config"]
+    assert config["Entrypoint"] == ["python3", "-m", "vllm_hybrid_nixl.deploy.container"]
+    health = found.get("Healthcheck") or config.get("Healthcheck")
+    assert health and health["Test"][-2:] == ["health", "8100"], health
+    check = cli.run("run", "--rm", "--network", "none", built.name, "check-image", check=False)
+    assert check.returncode == 0, check.stderr[-2000:]
+    version = cli.run("run", "--rm", "--network", "none", built.name, "version").stdout
+    assert "vllm-hybrid-nixl" in version and "installed vLLM" in version, version
+    progress(f"GPU Dockerfile on the stand-in base: built in {built.build_s:.0f} s")
+
+
 def test_pd_across_containers_equals_one_engine_alone(pd: PdContainers) -> None:
     with httpx.Client(timeout=60) as client:
         before = read_kv_transfer_counters(pd.urls["decode"], client)
@@ -264,3 +287,84 @@ def test_stop_ends_every_container_within_its_grace_period(pd: PdContainers) -> 
         assert took < STOP_GRACE_S - 1, f"{role} took {took:.1f} s to stop: killed?"
         assert finished.get("ExitCode") != 137, (role, finished)
         assert not finished.get("OOMKilled"), (role, finished)
+
+
+COMPOSE_CPU = Path(__file__).resolve().parents[2] / "configs" / "docker" / "compose.cpu.yaml"
+COMPOSE_SUBNET = "10.213.9"  # beside the module's own network
+
+
+def _alone_inside(cli: ContainerCli, name: str, url: str, prompt: str) -> list[int]:
+    """Greedy token ids from an engine asked from inside its own container (not published)."""
+    body = {"model": "/models/model", "prompt": prompt, "max_tokens": 16, "temperature": 0.0}
+    body.update(ignore_eos=True, return_token_ids=True)
+    script = (
+        "import json, sys, urllib.request as r\n"
+        "ask = r.Request(sys.argv[1], sys.argv[2].encode(), {'Content-Type': 'application/json'})\n"
+        "print(json.dumps(json.load(r.urlopen(ask, timeout=300))['choices'][0]['token_ids']))\n"
+    )
+    done = cli.run("exec", name, "python", "-c", script, f"{url}/v1/completions", json.dumps(body))
+    return json.loads(done.stdout)
+
+
+def test_compose_brings_pd_up_behind_health_checks_and_down_leaving_nothing(
+    cli: ContainerCli, cpu_image: BuiltImage, shared_model: Path, tmp_path: Path
+) -> None:
+    """``configs/docker/compose.cpu.yaml`` with a compose tool that drives this engine: the
+    router container is created only after both engines passed their health checks, a
+    request through the router's port published on 127.0.0.1 ran P/D and equals the decode
+    engine's answer alone, and ``down -v`` leaves no container, network or volume."""
+    project = f"vhn-compose-{uuid.uuid4().hex[:8]}"
+    router_port = free_port()
+    env = {
+        "IMAGE": cpu_image.name,
+        "MODEL_DIR": str(shared_model),
+        "SUBNET": COMPOSE_SUBNET,
+        "ROUTER_PORT": str(router_port),
+        "VLLM_HYBRID_NIXL_API_KEY": CLIENT_KEY,
+    }
+    files = ["-p", project, "-f", str(COMPOSE_CPU)]
+    with compose_tool(cli, tmp_path) as compose:
+        try:
+            with HealthTicker(cli, project) as ticker:
+                progress(f"{' '.join(compose.argv)} up: the engines, then the router")
+                compose.run(*files, "up", "-d", "--no-build", env=env)
+                deadline = time.monotonic() + 180
+                while "router" not in ticker.first_healthy:
+                    assert time.monotonic() < deadline, f"router not healthy: {ticker.first_seen}"
+                    time.sleep(1)
+            engines_healthy = max(ticker.first_healthy[role] for role in ("prefill", "decode"))
+            assert ticker.first_seen["router"] >= engines_healthy, (
+                ticker.first_seen,
+                ticker.first_healthy,
+            )
+            names = dict(ticker.services())
+            url = f"http://127.0.0.1:{router_port}"
+            decode_url = f"http://{COMPOSE_SUBNET}.11:8200"
+            for prompt in PROMPTS:
+                body = {"model": "/models/model", "prompt": prompt, "max_tokens": 16}
+                body.update(temperature=0.0, ignore_eos=True, return_token_ids=True)
+                answer = httpx.post(
+                    f"{url}/v1/completions", json=body, timeout=300,
+                    headers={"Authorization": f"Bearer {CLIENT_KEY}"},
+                )  # fmt: skip
+                assert answer.status_code == 200, answer.text[:2000]
+                through_router = answer.json()["choices"][0]["token_ids"]
+                assert through_router == _alone_inside(cli, names["decode"], decode_url, prompt)
+            metrics = read_metrics(url, None, timeout_s=10.0)
+            assert sample_sum(metrics, "router_policy_choices_total", role="prefill") >= 2
+        finally:
+            progress("compose down -v")
+            down = compose.run(*files, "down", "-v", "-t", str(DRAIN_GRACE_S), env=env, check=False)
+    assert down.returncode == 0, down.stderr[-3000:]
+    label = f"label=com.docker.compose.project={project}"
+    for kind in ("ps -a", "network ls", "volume ls"):
+        left = cli.run(
+            *kind.split(),
+            "--filter",
+            label,
+            "--format",
+            "{{.Name}}" if kind != "ps -a" else "{{.Names}}",
+        ).stdout
+        assert not left.strip(), (kind, left)
+    networks = cli.run("network", "ls", "--format", "{{.Name}}").stdout.split()
+    assert f"{project}_pd" not in networks, networks
