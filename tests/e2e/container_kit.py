@@ -12,10 +12,13 @@ directories they name mounted read-only into the build.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/vllm-hybrid-nixl:cpu-test"
@@ -236,6 +241,34 @@ def wait_healthy(cli: ContainerCli, name: str, timeout_s: float = 420) -> None:
     raise AssertionError(f"{name} not healthy in {timeout_s:.0f} s:\n{logs.stdout}{logs.stderr}")
 
 
+def used_ipv4_networks(cli: ContainerCli) -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network the engine's networks or this host's interfaces already hold."""
+    used: list[ipaddress.IPv4Network] = []
+    names = cli.run("network", "ls", "--format", "{{.Name}}").stdout.split()
+    if names:
+        described = cli.run("network", "inspect", *names).stdout
+        found = re.findall(r'"(?:subnet|Subnet)":\s*"([0-9./]+)"', described)
+        used += [ipaddress.ip_network(cidr, strict=False) for cidr in found if "." in cidr]
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and address.netmask:
+                cidr = f"{address.address}/{address.netmask}"
+                used.append(ipaddress.ip_network(cidr, strict=False))
+    return used
+
+
+def free_subnet(cli: ContainerCli, avoid: tuple[str, ...] = ()) -> str:
+    """The first three octets of a /24 under 10.213.0.0/16 that no network here overlaps
+    (a leftover network of another run, a host interface) and not in ``avoid``."""
+    used = used_ipv4_networks(cli)
+    for third in range(1, 255):
+        prefix = f"10.213.{third}"
+        candidate = ipaddress.ip_network(f"{prefix}.0/24")
+        if prefix not in avoid and not any(candidate.overlaps(net) for net in used):
+            return prefix
+    raise AssertionError(f"no free /24 under 10.213.0.0/16; networks in use: {used}")
+
+
 def first_errors(cli: ContainerCli, name: str, lines: int = 40) -> str:
     """The first ERROR lines of a container's log (where a root cause is), and its tail."""
     logs = cli.run("logs", name, check=False)
@@ -358,10 +391,11 @@ class HealthTicker:
         self._stop.set()
         self._thread.join(timeout=120)
 
-    def services(self) -> dict[str, str]:
-        """Running containers of the project: service name -> container name."""
+    def services(self, stopped_too: bool = False) -> dict[str, str]:
+        """The project's running containers (or all): service name -> container name."""
         listed = self.cli.run(
-            "ps", "--filter", f"label=com.docker.compose.project={self.project}",
+            "ps", *(["-a"] if stopped_too else []),
+            "--filter", f"label=com.docker.compose.project={self.project}",
             "--format", '{{.Names}} {{index .Labels "com.docker.compose.service"}}',
             check=False, timeout=60,
         ).stdout  # fmt: skip

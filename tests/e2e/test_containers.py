@@ -33,6 +33,8 @@ from tests.e2e.container_kit import (
     build_gpu_dockerfile_on_stand_in,
     compose_tool,
     container_cli,
+    first_errors,
+    free_subnet,
     progress,
     state,
     wait_healthy,
@@ -44,7 +46,6 @@ from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 
 pytestmark = pytest.mark.e2e
 
-SUBNET = "10.213.7"  # a private /24 for the test's container network
 ENGINE_ARGS = ["--block-size", "64", "--enforce-eager", "--max-model-len", "1024"]
 STOP_GRACE_S = 30
 DRAIN_GRACE_S = 120  # the engines' drain is bounded below this (60 s + vLLM's 45 s)
@@ -100,9 +101,10 @@ def shared_model(tiny_hybrid_model: Path, tmp_path_factory) -> Path:
 def pd(cli: ContainerCli, cpu_image: BuiltImage, shared_model: Path) -> Iterator[PdContainers]:
     tag = uuid.uuid4().hex[:8]
     network = f"vhn-test-{tag}"
-    cli.run("network", "create", "--subnet", f"{SUBNET}.0/24", network)
+    subnet = free_subnet(cli)  # a private /24 nothing here uses (not the host's network)
+    cli.run("network", "create", "--subnet", f"{subnet}.0/24", network)
     names = {role: f"vhn-{role}-{tag}" for role in ("prefill", "decode", "router")}
-    addresses = {"prefill": f"{SUBNET}.10", "decode": f"{SUBNET}.11", "router": f"{SUBNET}.12"}
+    addresses = {"prefill": f"{subnet}.10", "decode": f"{subnet}.11", "router": f"{subnet}.12"}
     ports = {role: free_port() for role in names}
     inner = {"prefill": 8100, "decode": 8200, "router": 8000}
     started: list[str] = []
@@ -290,7 +292,6 @@ def test_stop_ends_every_container_within_its_grace_period(pd: PdContainers) -> 
 
 
 COMPOSE_CPU = Path(__file__).resolve().parents[2] / "configs" / "docker" / "compose.cpu.yaml"
-COMPOSE_SUBNET = "10.213.9"  # beside the module's own network
 
 
 def _alone_inside(cli: ContainerCli, name: str, url: str, prompt: str) -> list[int]:
@@ -315,10 +316,11 @@ def test_compose_brings_pd_up_behind_health_checks_and_down_leaving_nothing(
     engine's answer alone, and ``down -v`` leaves no container, network or volume."""
     project = f"vhn-compose-{uuid.uuid4().hex[:8]}"
     router_port = free_port()
+    subnet = free_subnet(cli)  # the file's SUBNET: a /24 no network here overlaps
     env = {
         "IMAGE": cpu_image.name,
         "MODEL_DIR": str(shared_model),
-        "SUBNET": COMPOSE_SUBNET,
+        "SUBNET": subnet,
         "ROUTER_PORT": str(router_port),
         "VLLM_HYBRID_NIXL_API_KEY": CLIENT_KEY,
     }
@@ -327,7 +329,11 @@ def test_compose_brings_pd_up_behind_health_checks_and_down_leaving_nothing(
         try:
             with HealthTicker(cli, project) as ticker:
                 progress(f"{' '.join(compose.argv)} up: the engines, then the router")
-                compose.run(*files, "up", "-d", "--no-build", env=env)
+                up = compose.run(*files, "up", "-d", "--no-build", env=env, check=False)
+                assert up.returncode == 0, up.stderr[-2000:] + "".join(
+                    f"\n--- {service} ---\n{first_errors(cli, name)}"
+                    for service, name in ticker.services(stopped_too=True).items()
+                )
                 deadline = time.monotonic() + 180
                 while "router" not in ticker.first_healthy:
                     assert time.monotonic() < deadline, f"router not healthy: {ticker.first_seen}"
@@ -339,7 +345,7 @@ def test_compose_brings_pd_up_behind_health_checks_and_down_leaving_nothing(
             )
             names = dict(ticker.services())
             url = f"http://127.0.0.1:{router_port}"
-            decode_url = f"http://{COMPOSE_SUBNET}.11:8200"
+            decode_url = f"http://{subnet}.11:8200"
             for prompt in PROMPTS:
                 body = {"model": "/models/model", "prompt": prompt, "max_tokens": 16}
                 body.update(temperature=0.0, ignore_eos=True, return_token_ids=True)

@@ -201,3 +201,23 @@ def test_entry_point_sets_what_mamba_pd_needs(tmp_path: Path) -> None:
     )
     assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD" and "--no-enable-prefix-caching" not in argv
     assert container.image_problems() == []  # this environment could serve
+
+
+@pytest.mark.cpu_build
+def test_the_entry_point_serves_eager_where_no_cpp_compiler_is_on_path(tmp_path) -> None:
+    """vLLM's CPU build dies at start-up without a C++ compiler for torch.compile (measured
+    in the CPU image: InvalidCxxCompiler): the entry point adds --enforce-eager there, and
+    not where a compiler is on PATH or the flag is given."""
+    args = ["/models/m", "--port", "8100"]
+    bare = {"PATH": str(tmp_path)}
+    argv, _ = container.plan(args, bare, CONTAINER_IP)
+    assert argv.count("--enforce-eager") == 1
+    argv, _ = container.plan([*args, "--enforce-eager"], bare, CONTAINER_IP)
+    assert argv.count("--enforce-eager") == 1
+    compiler = tmp_path / "g++"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    argv, _ = container.plan(args, bare, CONTAINER_IP)
+    assert "--enforce-eager" not in argv
+    argv, _ = container.plan(args, {**bare, "CXX": "clang++"}, CONTAINER_IP)
+    assert "--enforce-eager" in argv  # $CXX names the compiler torch looks for

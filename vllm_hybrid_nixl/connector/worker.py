@@ -49,10 +49,12 @@ from vllm_hybrid_nixl.protocol.layout import (
 # A child of the "vllm" logger, so vLLM's log handlers and level apply in every process.
 logger = logging.getLogger("vllm.hybrid_nixl.worker")
 
-#: Reads of the peer's side channel before a handshake gives up (5 s each). A first handshake
-#: between engines busy on shared cores can miss one read's deadline; this runs in vLLM's
-#: handshake thread, so waiting longer stalls no engine step, and a refused request costs more.
+#: Reads of the peer's side channel before a handshake gives up, and each read's deadline. A
+#: first handshake between engines busy on shared cores (a TP2 engine starting beside its peer
+#: on two cores) can miss a deadline; this runs in vLLM's handshake thread, so waiting longer
+#: stalls no engine step, and a request refused for a slow answer costs more.
 PEER_PROBE_ATTEMPTS = 3
+PEER_PROBE_TIMEOUT_S = 10.0
 
 _NIXL = compat.nixl_classes()
 
@@ -455,7 +457,9 @@ class HybridRegistrationMixin:
         with_pp_rank = compat.side_channel_wants_pp_rank()
         for attempt in range(1, PEER_PROBE_ATTEMPTS):
             try:
-                return fetch_compat_string(host, port, with_pp_rank=with_pp_rank)
+                return fetch_compat_string(
+                    host, port, timeout_s=PEER_PROBE_TIMEOUT_S, with_pp_rank=with_pp_rank
+                )
             except ProbeError as exc:
                 logger.warning(
                     "vllm-hybrid-nixl: peer %s: %s; asking again (%d of %d)",
@@ -464,7 +468,9 @@ class HybridRegistrationMixin:
                     attempt + 1,
                     PEER_PROBE_ATTEMPTS,
                 )
-        return fetch_compat_string(host, port, with_pp_rank=with_pp_rank)
+        return fetch_compat_string(
+            host, port, timeout_s=PEER_PROBE_TIMEOUT_S, with_pp_rank=with_pp_rank
+        )
 
 
 class HybridNixlPullWorker(

