@@ -263,6 +263,11 @@ def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdCont
             with httpx.Client(timeout=60) as client:
                 moved = read_kv_transfer_counters(pd.urls["decode"], client) - before
             assert moved.nixl_bytes > 0, f"no P/D after the {role} container came back"
+    except AssertionError:
+        for role, name in pd.names.items():  # what each container said last, for the report
+            tail = pd.cli.run("logs", "--tail", "40", name, check=False)
+            progress(f"--- {role} log ---\n{tail.stdout[-4000:]}{tail.stderr[-4000:]}")
+        raise
     finally:
         load.stop.set()
         for client in clients:

@@ -64,6 +64,65 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def _exchange(sock: socket.socket, request: bytes) -> bytes:
+    """Send one request and read its whole answer (a Content-Length body)."""
+    sock.sendall(request)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(4096)
+        assert chunk, f"the router closed the connection; got {received[:200]!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int({name.lower(): value for name, value in fields.items()}[b"content-length"])
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head
+
+
+BAD_REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n[]"
+
+
+def test_an_idle_kept_alive_connection_outlives_the_header_deadline(
+    open_router: RouterServer,
+) -> None:
+    """Idleness between requests is bounded by the keep-alive (longer than clients keep
+    theirs), not by the header deadline: the same connection serves a request sent after
+    twice the deadline; the router never closes a connection a client is about to reuse."""
+    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+        assert _exchange(sock, BAD_REQUEST).startswith(b"HTTP/1.1 400")
+        time.sleep(2 * SETTINGS.header_timeout_s)
+        assert _exchange(sock, BAD_REQUEST).startswith(b"HTTP/1.1 400")
+
+
+def test_a_kept_alive_connection_dribbling_its_next_headers_is_closed(
+    open_router: RouterServer,
+) -> None:
+    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+        assert _exchange(sock, BAD_REQUEST).startswith(b"HTTP/1.1 400")
+        time.sleep(2 * SETTINGS.header_timeout_s)  # idle first: that is allowed
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        closed = False
+        for _ in range(20):  # a header line every 0.5 s, never the blank line
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+                if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.5)
+    assert closed, "the router kept a kept-alive connection dribbling headers open for 10 s"
+
+
+def test_the_router_keeps_idle_client_connections_longer_than_clients_do() -> None:
+    """httpx (the openai client's transport) lets an idle connection go after 5 s."""
+    assert RouterSettings().client_keep_alive_s > httpx.Limits().keepalive_expiry
+
+
 @pytest.mark.parametrize(
     ("content", "status", "words"),
     [

@@ -50,12 +50,15 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
 
 
 def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
-    """A uvicorn HTTP protocol class that closes a connection whose next request's headers
-    do not arrive within ``header_timeout_s`` (slow-loris clients).
+    """A uvicorn HTTP protocol class that closes a connection whose request headers do not
+    arrive within ``header_timeout_s`` (slow-loris clients).
 
-    uvicorn bounds idle keep-alive connections but not a client dribbling header bytes; the
-    deadline is armed when the connection opens and after each response, and disarmed as
-    soon as a request's headers are complete (``cycle`` is replaced).
+    uvicorn bounds idle keep-alive connections but not a client dribbling header bytes. The
+    deadline is armed when the connection opens and, on a kept-alive connection, at the
+    first byte of the next request (idleness between requests is the keep-alive timeout's
+    job: a deadline armed at the response would close idle connections early and race
+    clients reusing them); it is disarmed once the headers are complete (``cycle`` is
+    replaced).
     """
 
     class HeaderDeadlineProtocol(base):  # type: ignore[misc, valid-type]
@@ -80,6 +83,9 @@ def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if getattr(self, "_idle_after_response", False):
+                self._idle_after_response = False
+                self._arm()  # the next request's first bytes: its headers are now due
             super().data_received(data)
             if getattr(self, "_deadline", None) is not None and (
                 self.cycle is not self._cycle_when_armed
@@ -88,8 +94,7 @@ def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
+            self._idle_after_response = not self.transport.is_closing()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

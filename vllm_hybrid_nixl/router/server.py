@@ -44,6 +44,7 @@ def uvicorn_config(
         host=host,
         port=port,
         http=uvicorn_http_protocol(settings.header_timeout_s),
+        timeout_keep_alive=settings.client_keep_alive_s,
         log_level="warning",
         access_log=False,
         lifespan="on",

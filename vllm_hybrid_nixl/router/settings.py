@@ -97,6 +97,13 @@ class RouterSettings(BaseModel):
         10.0, gt=0, description="a client must send its request headers within this"
     )
     body_timeout_s: float = Field(30.0, gt=0, description="... and its body within this")
+    client_keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="an idle client connection stays open this long: longer than clients keep "
+        "theirs (httpx 5 s, aiohttp 15 s), so the client lets go first and never sends a "
+        "request on a connection the router is closing",
+    )
     allow_unauthenticated_remote: bool = Field(
         False,
         description="let a router bound beyond loopback serve without a client key "
