@@ -122,6 +122,13 @@ def read_protocols(log: str) -> list[str]:
     return sorted(set(found))
 
 
+def _shm(flags: list[str]) -> list[str]:
+    """``--shm-size`` where the container has an IPC namespace of its own (the engine
+    refuses it beside ``--ipc=host`` or a joined namespace)."""
+    joined = any(flag.startswith("--ipc=") and flag != "--ipc=shareable" for flag in flags)
+    return [] if joined else ["--shm-size", "1g"]
+
+
 def run_setting(engine: str, image: str, setting: str, total_mib: int, repeats: int) -> dict:
     holder_flags, reader_flags = SETTINGS[setting]
     tag = uuid.uuid4().hex[:8]
@@ -130,19 +137,19 @@ def run_setting(engine: str, image: str, setting: str, total_mib: int, repeats: 
         directory = Path(raw)
         directory.chmod(0o777)  # the image's user (uid 1000) writes here
         common = ["-v", f"{REPO}:/src:ro", "-v", f"{directory}:/x", "-e", "PYTHONPATH=/src"]
-        common += ["--shm-size", "1g", "--entrypoint", "python", image]
+        common += ["--entrypoint", "python", image]
         command = ["-m", "bench.container_transport"]
         sizes = ["--dir", "/x", "--total-mib", str(total_mib), "--repeats", str(repeats)]
         try:
             subprocess.run(
-                [engine, "run", "-d", "--name", holder, *holder_flags, *common, *command,
-                 "holder", *sizes],
+                [engine, "run", "-d", "--name", holder, *holder_flags, *_shm(holder_flags),
+                 *common, *command, "holder", *sizes],
                 check=True, capture_output=True, timeout=120,
             )  # fmt: skip
             flags = [f.format(holder=holder) for f in reader_flags]
             reading = subprocess.run(
-                [engine, "run", "--name", reader, "-e", "UCX_PROTO_INFO=y", *flags, *common,
-                 *command, "reader", *sizes],
+                [engine, "run", "--name", reader, "-e", "UCX_PROTO_INFO=y", *flags,
+                 *_shm(flags), *common, *command, "reader", *sizes],
                 capture_output=True, text=True, timeout=900,
             )  # fmt: skip
             if reading.returncode != 0:
