@@ -22,6 +22,7 @@ from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.server import RouterServer
+from vllm_hybrid_nixl.router.settings import RouterSettings
 
 COMMON_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
 WORKER_LINE = re.compile(
@@ -203,10 +204,12 @@ def wait_router_ready(url: str, timeout_s: float = 120, layouts: bool = False) -
 
 
 @contextmanager
-def running_router(pool: BackendPool, layouts: bool = False) -> Iterator[str]:
+def running_router(
+    pool: BackendPool, layouts: bool = False, settings: RouterSettings | None = None
+) -> Iterator[str]:
     """Our router in this process on a free 127.0.0.1 port in front of ``pool``, ready
     (:func:`wait_router_ready`); its URL. Stopped on exit."""
-    router = RouterServer(pool, "127.0.0.1", free_port()).start()
+    router = RouterServer(pool, "127.0.0.1", free_port(), settings=settings).start()
     try:
         wait_router_ready(router.url, layouts=layouts)
         yield router.url

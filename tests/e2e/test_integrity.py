@@ -31,9 +31,11 @@ from tests.e2e.pd_fixture import (
     start_pair,
 )
 from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
 from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.e2e
 
@@ -473,4 +475,45 @@ def test_a_silent_lease_service_delays_only_the_requests_that_need_it(stack: Sta
     assert still_waiting, "the other request finished only after the silent pin timed out"
     assert stuck[0].status_code >= 400  # failed loudly (kv_load_failure_policy: fail)
     assert "no answer from the prefill engine's lease service" in pair.decode.log_text()
+    assert_alive(stack)
+
+
+SHORT = "The keeper mended nets."  # 23 characters: 6 tokens by the router's estimate
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_short_prompts_skip_the_prefill_hop_and_long_ones_do_not(
+    stack: Stack, stream: bool
+) -> None:
+    """Conditional disaggregation (``short_prompt_tokens``): below the threshold a prompt
+    runs colocated on the decode engine (no prefill leg, no KV over NIXL); above it, P/D.
+    Both answers equal the prefill engine's alone, token for token."""
+    pool = BackendPool.from_urls([stack.pair.prefill.spec.url], [stack.pair.decode.spec.url])
+    settings = RouterSettings(short_prompt_tokens=32)
+    decode_url = stack.pair.decode.spec.url
+    with running_router(pool, settings=settings) as url, httpx.Client(timeout=300) as client:
+        for prompt, short in ((SHORT, True), (A, False)):
+            before = read_kv_transfer_counters(decode_url, client)
+            legs_before = metric_sum(url, "router_leg_requests_total", leg="prefill")
+            request = body(stack.pair.model, prompt, stream=stream)
+            if stream:
+                with client.stream("POST", f"{url}/v1/completions", json=request) as answer:
+                    assert answer.status_code == 200, answer.read()[:500]
+                    text = streamed_texts(answer)[0]
+            else:
+                answer = client.post(f"{url}/v1/completions", json=request)
+                assert answer.status_code == 200, answer.text[:500]
+                text = answer.json()["choices"][0]["text"]
+            assert text == alone(stack, prompt), (prompt, short)
+            moved = read_kv_transfer_counters(decode_url, client) - before
+            prefill_legs = metric_sum(url, "router_leg_requests_total", leg="prefill")
+            if short:
+                assert moved.nixl_bytes == 0 and prefill_legs == legs_before, (moved, prompt)
+            else:
+                assert moved.nixl_bytes > 0 and prefill_legs == legs_before + 1, (moved, prompt)
+        chosen = metric_sum(url, "router_policy_choices_total", role="colocated")
+        assert chosen == metric_sum(
+            url, "router_policy_choices_total", role="colocated", reason="short_prompt"
+        )
+        assert chosen == 1
     assert_alive(stack)

@@ -23,6 +23,7 @@ POLICIES: tuple[str, ...] = ("least_in_flight", "round_robin", "prefix_affinity"
 AFFINITY_SLACK = 4  # legs in flight beyond the least loaded engine that affinity tolerates
 PREFIX_CHARS = 256  # how much of a text prompt makes its affinity key
 PREFIX_TOKENS = 64  # ... of a token-id prompt
+CHARS_PER_TOKEN = 4  # text prompts: an estimate (English text in common BPE vocabularies)
 
 
 def prefix_key(body: dict[str, Any]) -> bytes | None:
@@ -64,3 +65,26 @@ def choose(
             return home, "affinity"
         return least, "affinity_overloaded"
     return least, "least_in_flight"
+
+
+def prompt_tokens(body: dict[str, Any]) -> int | None:
+    """A completions or chat body's prompt length in tokens: counted for a token-id
+    prompt, estimated from characters (``CHARS_PER_TOKEN``) for text and chat messages;
+    None when the body holds no single prompt (the router splits batches first)."""
+    prompt: Any = body.get("prompt")
+    if isinstance(prompt, str):
+        return -(-len(prompt) // CHARS_PER_TOKEN)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    messages = body.get("messages")
+    if prompt is None and isinstance(messages, list):
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                parts = [part for part in content if isinstance(part, dict)]
+                chars += sum(len(str(part.get("text", ""))) for part in parts)
+        return -(-chars // CHARS_PER_TOKEN)
+    return None

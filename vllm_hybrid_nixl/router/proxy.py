@@ -33,7 +33,7 @@ from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegClient, LegResponse, LegTransportError
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
-from vllm_hybrid_nixl.router.policy import choose, prefix_key
+from vllm_hybrid_nixl.router.policy import choose, prefix_key, prompt_tokens
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
@@ -485,9 +485,40 @@ class Disaggregator:
             return await self._checked_stream(engine, engine, response)
         raise missing
 
+    async def short_prompt_colocated(
+        self, path: str, body: dict[str, Any], stream: bool
+    ) -> DecodeAnswer | None:
+        """A prompt below ``short_prompt_tokens`` runs whole on a decode engine (a prefill
+        hop and a KV transfer cost more than such a prefill), counted as
+        ``router_policy_choices_total{role="colocated",reason="short_prompt"}``. None (the
+        request goes P/D) when the prompt is not short, no decode engine is usable, or the
+        leg never reached the engine."""
+        threshold = self.settings.short_prompt_tokens
+        tokens = prompt_tokens(body) if threshold else None
+        if tokens is None or tokens >= threshold:
+            return None
+        engine = self._pick("decode", self.health.usable, [], [])
+        if engine is None:
+            return None
+        self.metrics.policy_choices.labels("colocated", "short_prompt", engine.url).inc()
+        leg_body = {**body, "request_id": leg_request_id()}
+        try:
+            response = await self.send_leg("colocated", engine, path, leg_body, stream)
+        except LegError as exc:
+            if exc.delivered:
+                raise
+            return None
+        if not stream:
+            return DecodeAnswer(engine, engine, response)
+        return await self._checked_stream(engine, engine, response)
+
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
-        """Both legs; a decode engine's 5xx re-runs the whole request (bounded)."""
+        """Both legs; a decode engine's 5xx re-runs the whole request (bounded). A short
+        prompt runs colocated on a decode engine instead (``short_prompt_tokens``)."""
         stream = bool(body.get("stream"))
+        short = await self.short_prompt_colocated(path, body, stream)
+        if short is not None:
+            return short
         avoid: list[Backend] = []
         avoid_decode: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):

@@ -76,6 +76,13 @@ class RouterSettings(BaseModel):
         "rolling restart, run it whole on an engine that is up (a decode engine first) "
         "instead of failing it",
     )
+    short_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="conditional disaggregation: a prompt shorter than this many tokens "
+        "(text: estimated at 4 characters a token) runs colocated on a decode engine, with no "
+        "prefill hop and no KV transfer; 0 sends every prompt through a prefill engine",
+    )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
     )

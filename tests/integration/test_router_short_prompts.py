@@ -1,0 +1,63 @@
+"""Conditional disaggregation's inputs: how long the router takes a prompt to be, and the
+setting that turns it on (``short_prompt_tokens``), from the router's command line and the
+Ray config's ``router:`` section. Its effect on real engines is in ``tests/e2e/test_integrity``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vllm_hybrid_nixl.cli import build_parser
+from vllm_hybrid_nixl.deploy.ray.config import ConfigError, load_config
+from vllm_hybrid_nixl.router.policy import CHARS_PER_TOKEN, prompt_tokens
+from vllm_hybrid_nixl.router.settings import RouterSettings
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_token_id_prompts_are_counted_and_text_is_estimated() -> None:
+    assert prompt_tokens({"prompt": [1, 2, 3, 4, 5]}) == 5
+    assert prompt_tokens({"prompt": "x" * (10 * CHARS_PER_TOKEN)}) == 10
+    assert prompt_tokens({"prompt": "x" * (10 * CHARS_PER_TOKEN + 1)}) == 11  # rounded up
+    chat = {"messages": [{"role": "system", "content": "ab" * 8}, {"role": "user", "content": [
+        {"type": "text", "text": "cd" * 8}, {"type": "image_url", "image_url": {"url": "u"}}
+    ]}]}  # fmt: skip
+    assert prompt_tokens(chat) == 32 // CHARS_PER_TOKEN
+
+
+def test_a_body_without_one_prompt_has_no_length() -> None:
+    """Batches are split into single prompts before the policy asks; anything else goes
+    through P/D as before."""
+    assert prompt_tokens({"prompt": ["one", "two"]}) is None
+    assert prompt_tokens({"prompt": [[1, 2], [3]]}) is None
+    assert prompt_tokens({}) is None
+
+
+def test_short_prompts_go_p_d_unless_a_threshold_is_set() -> None:
+    assert RouterSettings().short_prompt_tokens == 0
+    args = build_parser().parse_args(
+        ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+         "--short-prompt-tokens", "256"]
+    )  # fmt: skip
+    assert args.short_prompt_tokens == 256
+    assert RouterSettings(short_prompt_tokens=256).short_prompt_tokens == 256
+    with pytest.raises(ValueError, match="short_prompt_tokens"):
+        RouterSettings(short_prompt_tokens=-1)
+
+
+def test_a_ray_config_sets_the_threshold_in_its_router_section(tmp_path) -> None:
+    config = REPO / "configs" / "ray" / "1p1d-cpu.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["model"] = "ibm-granite/granite-4.0-h-tiny"  # an id: not looked up here
+    data.setdefault("router", {})["short_prompt_tokens"] = 128
+    written = tmp_path / "pd.yaml"
+    written.write_text(yaml.safe_dump(data))
+    assert load_config(written).router.short_prompt_tokens == 128
+    data["router"]["short_prompt_tokens"] = "many"
+    written.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="router.short_prompt_tokens"):
+        load_config(written)
