@@ -238,7 +238,9 @@ def _add_router_settings(parser: argparse.ArgumentParser) -> None:
         flag = "--router-kind" if name == "kind" else "--" + name.replace("_", "-")
         help_text = f"{info.description or name.replace('_', ' ')} (default: {info.default})"
         if info.annotation is bool:
-            parser.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+            parser.add_argument(  # --x and --no-x: a setting on by default can be turned off
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif typing.get_origin(info.annotation) is typing.Literal:
             parser.add_argument(
                 flag, dest=name, choices=typing.get_args(info.annotation), help=help_text

@@ -61,3 +61,11 @@ def test_a_ray_config_sets_the_threshold_in_its_router_section(tmp_path) -> None
     written.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="router.short_prompt_tokens"):
         load_config(written)
+
+
+def test_a_setting_on_by_default_can_be_turned_off_from_the_command_line() -> None:
+    engines = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    parser = build_parser()
+    assert parser.parse_args(engines).colocated_fallback is None  # not given: the default
+    assert parser.parse_args([*engines, "--no-colocated-fallback"]).colocated_fallback is False
+    assert parser.parse_args([*engines, "--protect-probes"]).protect_probes is True
