@@ -48,6 +48,7 @@ class TinyModelSpec:
     vocab: int = 1024
     max_positions: int = 2048
     seed: int = 0
+    mamba_groups: int = 1  # NemotronH's n_groups (B/C groups): TP splits them when it divides
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:
@@ -109,7 +110,7 @@ def _mamba_config(spec: TinyModelSpec, vocab_size: int):
             mamba_num_heads=8,
             mamba_head_dim=32,
             ssm_state_size=16,
-            n_groups=1,
+            n_groups=spec.mamba_groups,
             conv_kernel=4,
             expand=2,
             chunk_size=64,

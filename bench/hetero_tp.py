@@ -1,0 +1,167 @@
+"""Hybrid models with a different tensor-parallel size on each side: what stock
+``NixlConnector`` and ``HybridNixlConnector`` do, measured with real engines.
+
+    python -m bench.hetero_tp [--cases stock:nemotron-h-g1:1:2 ...] [--max-tokens 12]
+
+For each case (connector, model, prefill TP, decode TP) a prefill and a decode ``vllm serve``
+start on this machine's two cores (vLLM's CPU build runs TP=2 as one worker per core), a few
+greedy prompts (one block, several blocks) run P/D, and each answer is compared with both
+engines answering alone. Outcome per case: ``served`` (every P/D answer equals one engine's
+alone, token for token), ``wrong`` (HTTP 200 with other tokens), ``refused`` (an engine did
+not start, or a leg failed; the first error line is kept). Writes ``hetero_tp.json`` under
+``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.end_to_end import RESULTS
+from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+CONNECTORS = {"stock": "NixlConnector", "ours": "HybridNixlConnector"}
+MODELS = {
+    "llama": TinyModelSpec("llama"),
+    "llama-hybrid": TinyModelSpec("llama-hybrid"),  # sliding window + full attention
+    "nemotron-h-g1": TinyModelSpec("nemotron-h"),  # Mamba2, n_groups 1: TP replicates B/C
+    "nemotron-h-g2": TinyModelSpec("nemotron-h", mamba_groups=2),  # TP2 splits B/C
+}
+DEFAULT_CASES = [
+    "stock:nemotron-h-g2:1:2",
+    "stock:nemotron-h-g1:1:2",
+    "stock:llama-hybrid:1:2",
+    "stock:nemotron-h-g2:2:1",
+    "stock:llama-hybrid:2:1",
+    "ours:nemotron-h-g2:1:2",
+]
+WORDS = "the decode engine splits its state over two ranks"
+PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 8, 20])]
+ERROR_LINE = re.compile(r"(Error|error|refus|mismatch|not supported)[^\n]{0,300}")
+
+
+def _spec(model: Path, role: str, tp: int, connector: str) -> EngineSpec:
+    args = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
+    spec = EngineSpec(
+        model=str(model), port=free_port(), role=role, connector=connector,
+        side_channel_port=free_side_channel_port(), extra_args=args,
+        kv_extra_config={"lease_check_timeout": 30.0} if connector != "NixlConnector" else {},
+    )  # fmt: skip
+    if tp > 1:
+        spec.extra_args += ["--tensor-parallel-size", str(tp)]
+        spec.env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+    else:
+        spec.cpu_core = 0 if role == "prefill" else 1
+    return spec
+
+
+def _first_error(log: str) -> str:
+    found = ERROR_LINE.findall(log)
+    lines = [line for line in log.splitlines() if "Error" in line or "refus" in line]
+    return (lines[-1] if lines else (found[-1] if found else log[-300:])).strip()[:400]
+
+
+def _answer(choice: dict) -> list[int] | str:
+    return choice.get("token_ids") or choice["text"]
+
+
+def run_case(case: str, models: dict[str, Path], max_tokens: int, logs: Path) -> dict[str, Any]:
+    who, model_name, p_tp, d_tp = case.split(":")
+    connector = CONNECTORS[who]
+    specs = [
+        _spec(models[model_name], "prefill", int(p_tp), connector),
+        _spec(models[model_name], "decode", int(d_tp), connector),
+    ]
+    engines = [EngineProcess(s, logs / f"{case.replace(':', '-')}-{s.role}.log") for s in specs]
+    result: dict[str, Any] = {"case": case, "connector": connector, "model": model_name}
+    result.update(prefill_tp=int(p_tp), decode_tp=int(d_tp), answers=[])
+    started = time.monotonic()
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            try:
+                engine.wait_healthy(timeout_s=420)
+            except Exception:  # noqa: BLE001 - any start failure is this case's outcome
+                result.update(outcome="refused", at="start", why=_first_error(engine.log_text()))
+                return result
+        with httpx.Client(timeout=300) as client:
+            for prompt in PROMPTS:
+                body = {"model": str(models[model_name]), "prompt": prompt}
+                body.update(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                body["return_token_ids"] = True
+                alone = [
+                    _answer(client.post(f"{e.spec.url}/v1/completions", json=body).json()
+                            ["choices"][0])
+                    for e in engines
+                ]  # fmt: skip
+                before = read_kv_transfer_counters(engines[1].spec.url, client)
+                try:
+                    done = disaggregated_completion(
+                        client, engines[0].spec.url, engines[1].spec.url, body
+                    )
+                except LegError as exc:
+                    result["answers"].append(
+                        {"prompt_words": len(prompt.split()), "error": str(exc)}
+                    )
+                    result.update(
+                        outcome="refused", at="request", why=_first_error(engines[1].log_text())
+                    )
+                    return result
+                moved = read_kv_transfer_counters(engines[1].spec.url, client) - before
+                pd = _answer(done.decode_response["choices"][0])
+                result["answers"].append(
+                    {
+                        "prompt_words": len(prompt.split()),
+                        "equals_prefill_alone": pd == alone[0],
+                        "equals_decode_alone": pd == alone[1],
+                        "nixl_bytes": moved.nixl_bytes,
+                    }
+                )
+        same = all(a["equals_prefill_alone"] or a["equals_decode_alone"] for a in result["answers"])
+        moved_kv = all(a["nixl_bytes"] > 0 for a in result["answers"])
+        result["outcome"] = "served" if same and moved_kv else ("wrong" if moved_kv else "no_kv")
+        return result
+    finally:
+        for engine in engines:
+            engine.stop()
+        result["seconds"] = round(time.monotonic() - started, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=RESULTS / "hetero_tp.json")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as raw:
+        tmp = Path(raw)
+        names = {case.split(":")[1] for case in args.cases}
+        models = {name: build_tiny_model(tmp / name, MODELS[name]) for name in names}
+        for case in args.cases:
+            print(f"case {case} ...", file=sys.stderr, flush=True)
+            result = run_case(case, models, args.max_tokens, tmp)
+            print(f"  {result['outcome']}: {result.get('why', '')}", file=sys.stderr, flush=True)
+            results.append(result)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"cases": results}, indent=2) + "\n")
+    for r in results:
+        print(f"{r['case']:>28}: {r['outcome']} {r.get('why', '')[:160]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
