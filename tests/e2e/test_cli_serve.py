@@ -121,31 +121,36 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
         kill_session(proc.pid)
 
 
-def first_line_starting(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> list[str]:
-    """The lines the process printed up to the first that starts with ``prefix`` (or all it
-    printed before it exited or ``timeout_s`` passed); read on a thread, so a silent process
+class OutputLines:
+    """A process's output lines, read on one thread from the start, so a silent process
     cannot block the test past its time."""
-    lines: queue.Queue[str | None] = queue.Queue()
 
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
 
-    threading.Thread(target=pump, daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if line.startswith(prefix):
-            break
-    return seen or [""]
+        def pump() -> None:
+            for line in proc.stdout:
+                self.lines.put(line)
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def until(self, prefixes: tuple[str, ...], timeout_s: float) -> list[str]:
+        """The lines printed from here up to the first that starts with one of ``prefixes``
+        (or all printed before the process exited or ``timeout_s`` passed)."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            seen.append(line)
+            if line.startswith(prefixes):
+                break
+        return seen or [""]
 
 
 def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -167,6 +172,8 @@ def test_demo_matches_colocated_and_leaves_nothing_behind(tmp_path: Path) -> Non
 def test_serve_prints_router_and_stops_everything_on_sigterm(
     tmp_path: Path, tiny_hybrid_model
 ) -> None:
+    """``serve`` prints its router, restarts every engine on SIGHUP (the old processes gone,
+    the same greedy answer after), and stops everything it started on SIGTERM."""
     proc = start(
         [
             "serve",
@@ -186,14 +193,27 @@ def test_serve_prints_router_and_stops_everything_on_sigterm(
         cwd=tmp_path,
     )
     try:
-        lines = first_line_starting(proc, "router: ", timeout_s=300)
+        output = OutputLines(proc)
+        lines = output.until(("router: ",), timeout_s=300)
         assert lines[-1].startswith("router: "), "".join(lines)[-4000:]
         router = lines[-1].split()[1]
         assert httpx.get(f"{router}/health", timeout=30).json()["status"] == "ok"
         body = {"model": str(tiny_hybrid_model), "prompt": "hello there", "max_tokens": 4}
-        assert httpx.post(f"{router}/v1/completions", json=body, timeout=120).status_code == 200
+        body.update(temperature=0.0, ignore_eos=True)
+        first = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
+        assert first.status_code == 200
+        before = engine_pids(tmp_path / "logs")
+        assert len(before) >= 6  # 2 engines x (API server, engine core, worker)
+        # SIGHUP: every engine drains and restarts in turn; serve keeps serving.
+        proc.send_signal(signal.SIGHUP)
+        lines = output.until(("rolling restart done", "error: rolling restart"), timeout_s=600)
+        assert lines[-1].startswith("rolling restart done"), "".join(lines)[-4000:]
+        assert alive(before) == set(), "an engine process of before the restart still runs"
+        again = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
+        assert again.status_code == 200, again.text[:500]
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         pids = engine_pids(tmp_path / "logs")
-        assert len(pids) >= 6  # 2 engines x (API server, engine core, worker)
+        assert len(pids - before) >= 6, "the restarted engines' processes are not in the logs"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)  # the reader thread drains its output
         assert proc.returncode == 0
