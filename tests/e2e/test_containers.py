@@ -284,7 +284,10 @@ def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdCont
 
 def test_stop_ends_every_container_within_its_grace_period(pd: PdContainers) -> None:
     """SIGTERM, then SIGKILL after the grace period: each container must have exited by
-    itself, well before the KILL (router first, then decode, then prefill)."""
+    itself, well before the KILL (router first, then decode, then prefill). Each is serving
+    first (an engine still starting is not what this measures)."""
+    for role in ("router", "decode", "prefill"):
+        wait_healthy(pd.cli, pd.names[role])
     for role in ("router", "decode", "prefill"):
         name = pd.names[role]
         started = time.monotonic()
