@@ -11,7 +11,7 @@ import yaml
 
 from vllm_hybrid_nixl.cli import build_parser
 from vllm_hybrid_nixl.deploy.ray.config import ConfigError, load_config
-from vllm_hybrid_nixl.router.policy import CHARS_PER_TOKEN, prompt_tokens
+from vllm_hybrid_nixl.router.policy import BYTES_PER_TOKEN, prompt_tokens
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
@@ -20,21 +20,55 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_token_id_prompts_are_counted_and_text_is_estimated() -> None:
-    assert prompt_tokens({"prompt": [1, 2, 3, 4, 5]}) == 5
-    assert prompt_tokens({"prompt": "x" * (10 * CHARS_PER_TOKEN)}) == 10
-    assert prompt_tokens({"prompt": "x" * (10 * CHARS_PER_TOKEN + 1)}) == 11  # rounded up
-    chat = {"messages": [{"role": "system", "content": "ab" * 8}, {"role": "user", "content": [
-        {"type": "text", "text": "cd" * 8}, {"type": "image_url", "image_url": {"url": "u"}}
-    ]}]}  # fmt: skip
-    assert prompt_tokens(chat) == 32 // CHARS_PER_TOKEN
+    assert prompt_tokens({"prompt": [1, 2, 3, 4, 5]}, chat=False) == 5
+    assert prompt_tokens({"prompt": "x" * (10 * BYTES_PER_TOKEN)}, chat=False) == 10
+    assert prompt_tokens({"prompt": "x" * (10 * BYTES_PER_TOKEN + 1)}, chat=False) == 11
+    # by UTF-8 bytes: a CJK character is three, nearer its share of a token than one
+    assert prompt_tokens({"prompt": "\u6f22" * 400}, chat=False) == 1200 // BYTES_PER_TOKEN
+    messages = [
+        {"role": "system", "content": "ab" * 8},
+        {"role": "user", "content": [{"type": "text", "text": "cd" * 8}]},
+    ]
+    assert prompt_tokens({"messages": messages}, chat=True) == 32 // BYTES_PER_TOKEN
 
 
-def test_a_body_without_one_prompt_has_no_length() -> None:
-    """Batches are split into single prompts before the policy asks; anything else goes
-    through P/D as before."""
-    assert prompt_tokens({"prompt": ["one", "two"]}) is None
-    assert prompt_tokens({"prompt": [[1, 2], [3]]}) is None
-    assert prompt_tokens({}) is None
+def test_each_endpoint_is_measured_by_the_field_it_reads() -> None:
+    """A chat body's ``prompt`` (which vLLM's chat endpoint ignores) cannot make a long
+    conversation look short, nor ``messages`` a long completions prompt."""
+    long_chat = {"messages": [{"role": "user", "content": "x" * 100_000}], "prompt": ""}
+    assert prompt_tokens(long_chat, chat=True) == 100_000 // BYTES_PER_TOKEN
+    long_prompt = {"prompt": "x" * 100_000, "messages": []}
+    assert prompt_tokens(long_prompt, chat=False) == 100_000 // BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize(
+    ("body", "chat"),
+    [
+        ({"prompt": ["one", "two"]}, False),  # a batch: split before the policy asks
+        ({"prompt": [[1, 2], [3]]}, False),
+        ({"prompt": [True, False]}, False),
+        ({"prompt": "", "prompt_embeds": "..."}, False),  # embeddings: tokens unknown
+        ({}, False),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "u"}},
+                            {"type": "text", "text": "hi"},
+                        ],
+                    }
+                ]
+            },
+            True,
+        ),  # fmt: skip
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True),
+    ],
+    ids=["batch", "token-batch", "bools", "embeds", "empty", "image-part", "tools"],
+)
+def test_a_body_whose_length_cannot_be_told_goes_p_d(body: dict, chat: bool) -> None:
+    assert prompt_tokens(body, chat=chat) is None
 
 
 def test_short_prompts_go_p_d_unless_a_threshold_is_set() -> None:

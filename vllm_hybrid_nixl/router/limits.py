@@ -73,9 +73,17 @@ def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
                 deadline.cancel()
                 self._deadline = None
 
+        def _between_requests(self) -> bool:
+            """No request is being served: none yet, or the last one answered."""
+            return self.cycle is None or self.cycle.response_complete
+
         def _expire(self) -> None:
             self._deadline = None
-            if self.cycle is self._cycle_when_armed and not self.transport.is_closing():
+            if (
+                self.cycle is self._cycle_when_armed
+                and self._between_requests()  # never cut a request being served
+                and not self.transport.is_closing()
+            ):
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -93,8 +101,8 @@ def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
                 self._disarm()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._idle_after_response = not self.transport.is_closing()
+            super().on_response_complete()  # may start a pipelined request
+            self._idle_after_response = not self.transport.is_closing() and self._between_requests()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

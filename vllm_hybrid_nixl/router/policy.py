@@ -23,7 +23,7 @@ POLICIES: tuple[str, ...] = ("least_in_flight", "round_robin", "prefix_affinity"
 AFFINITY_SLACK = 4  # legs in flight beyond the least loaded engine that affinity tolerates
 PREFIX_CHARS = 256  # how much of a text prompt makes its affinity key
 PREFIX_TOKENS = 64  # ... of a token-id prompt
-CHARS_PER_TOKEN = 4  # text prompts: an estimate (English text in common BPE vocabularies)
+BYTES_PER_TOKEN = 4  # UTF-8 bytes a token, estimated (English text in common BPE vocabularies)
 
 
 def prefix_key(body: dict[str, Any]) -> bytes | None:
@@ -67,24 +67,44 @@ def choose(
     return least, "least_in_flight"
 
 
-def prompt_tokens(body: dict[str, Any]) -> int | None:
-    """A completions or chat body's prompt length in tokens: counted for a token-id
-    prompt, estimated from characters (``CHARS_PER_TOKEN``) for text and chat messages;
-    None when the body holds no single prompt (the router splits batches first)."""
-    prompt: Any = body.get("prompt")
-    if isinstance(prompt, str):
-        return -(-len(prompt) // CHARS_PER_TOKEN)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
+def _estimate(text: str) -> int:
+    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+
+
+def prompt_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    """A request's prompt length in tokens, from the field its endpoint reads (``messages``
+    for chat, ``prompt`` otherwise): counted for a token-id prompt, estimated from UTF-8
+    bytes (``BYTES_PER_TOKEN``) for text. None where it cannot be told from the body (a
+    batch, prompt embeddings, tools, non-text message parts): such a request goes P/D."""
+    if "prompt_embeds" in body or body.get("tools"):
+        return None
+    if not chat:
+        prompt: Any = body.get("prompt")
+        if isinstance(prompt, str):
+            return _estimate(prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return len(prompt)
+        return None
     messages = body.get("messages")
-    if prompt is None and isinstance(messages, list):
-        chars = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                parts = [part for part in content if isinstance(part, dict)]
-                chars += sum(len(str(part.get("text", ""))) for part in parts)
-        return -(-chars // CHARS_PER_TOKEN)
-    return None
+    if not isinstance(messages, list):
+        return None
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += _estimate(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type", "text") != "text":
+                    return None  # an image, audio or file part: its tokens are unknown here
+                text = part.get("text")
+                if not isinstance(text, str):
+                    return None
+                total += _estimate(text)
+        elif content is not None:
+            return None
+    return total

@@ -331,14 +331,17 @@ class Disaggregator:
         exclude: list[Backend],
         avoid: Sequence[Backend],
         key: bytes | None = None,
+        count: bool = True,
     ) -> Backend | None:
         """A usable engine of ``role`` not in ``exclude`` chosen by the role's policy, one
-        not in ``avoid`` (the engines a re-run moves away from) when there is one."""
+        not in ``avoid`` (the engines a re-run moves away from) when there is one; counted
+        in ``router_policy_choices_total`` unless the caller counts it otherwise."""
         policy = self.settings.prefill_policy if role == "prefill" else self.settings.decode_policy
 
         def by_policy(candidates: list[Backend]) -> Backend:
             backend, reason = choose(candidates, policy, self.health.in_flight, key)
-            self.metrics.policy_choices.labels(role, reason, backend.url).inc()
+            if count:
+                self.metrics.policy_choices.labels(role, reason, backend.url).inc()
             return backend
 
         return self.pool.pick(role, usable, [*exclude, *avoid], by_policy) or self.pool.pick(
@@ -470,7 +473,7 @@ class Disaggregator:
             raise missing
         reason = f"no_{missing.leg}"
         for role in ("decode", "prefill"):
-            engine = self._pick(role, self.health.usable, [], [])
+            engine = self._pick(role, self.health.usable, [], [], count=False)
             if engine is None:
                 continue
             self.metrics.policy_choices.labels("colocated", reason, engine.url).inc()
@@ -487,40 +490,43 @@ class Disaggregator:
 
     async def short_prompt_colocated(
         self, path: str, body: dict[str, Any], stream: bool
-    ) -> DecodeAnswer | None:
+    ) -> tuple[DecodeAnswer | None, list[Backend]]:
         """A prompt below ``short_prompt_tokens`` runs whole on a decode engine (a prefill
         hop and a KV transfer cost more than such a prefill), counted as
-        ``router_policy_choices_total{role="colocated",reason="short_prompt"}``. None (the
-        request goes P/D) when the prompt is not short, no decode engine is usable, or the
-        leg never reached the engine."""
+        ``router_policy_choices_total{role="colocated",reason="short_prompt"}``. No answer
+        (the request goes P/D) when the prompt is not short or its length unknown, no decode
+        engine is usable, or the engine failed before the client got a byte; then also the
+        engine to avoid."""
         threshold = self.settings.short_prompt_tokens
-        tokens = prompt_tokens(body) if threshold else None
+        if not threshold:
+            return None, []
+        tokens = prompt_tokens(body, chat=path.endswith("/chat/completions"))
         if tokens is None or tokens >= threshold:
-            return None
-        engine = self._pick("decode", self.health.usable, [], [])
+            return None, []
+        engine = self._pick("decode", self.health.usable, [], [], count=False)
         if engine is None:
-            return None
+            return None, []
         self.metrics.policy_choices.labels("colocated", "short_prompt", engine.url).inc()
         leg_body = {**body, "request_id": leg_request_id()}
         try:
             response = await self.send_leg("colocated", engine, path, leg_body, stream)
+            if not stream:
+                return DecodeAnswer(engine, engine, response), []
+            return await self._checked_stream(engine, engine, response), []
         except LegError as exc:
-            if exc.delivered:
+            if exc.kind == "client_error":  # the request is at fault: P/D would fail alike
                 raise
-            return None
-        if not stream:
-            return DecodeAnswer(engine, engine, response)
-        return await self._checked_stream(engine, engine, response)
+            logger.warning("%s; running the short prompt P/D instead", exc.message)
+            return None, [exc.backend]
 
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded). A short
         prompt runs colocated on a decode engine instead (``short_prompt_tokens``)."""
         stream = bool(body.get("stream"))
-        short = await self.short_prompt_colocated(path, body, stream)
+        short, avoid_decode = await self.short_prompt_colocated(path, body, stream)
         if short is not None:
             return short
         avoid: list[Backend] = []
-        avoid_decode: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):
             legs_body = {**body, "request_id": leg_request_id()}
             try:
