@@ -80,7 +80,7 @@ class RouterSettings(BaseModel):
         0,
         ge=0,
         description="conditional disaggregation: a prompt shorter than this many tokens "
-        "(text: estimated at 4 characters a token) runs colocated on a decode engine, with no "
+        "(text: estimated at 4 UTF-8 bytes a token) runs colocated on a decode engine, with no "
         "prefill hop and no KV transfer; 0 sends every prompt through a prefill engine",
     )
     protect_probes: bool = Field(
