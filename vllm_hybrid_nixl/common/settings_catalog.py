@@ -109,6 +109,17 @@ ENVIRONMENT = (
     ),
     Setting("HF_HUB_OFFLINE", "set to 1 by the demo", "no model downloads"),
     Setting(
+        "CXX",
+        "read by the container image's entry point (default g++)",
+        "the C++ compiler torch.compile would use: where neither it nor g++ is on PATH (the "
+        "CPU image has none), engines of vLLM's CPU build start with --enforce-eager",
+    ),
+    Setting(
+        "PATH",
+        "read by the container image's entry point",
+        "where it looks for that C++ compiler",
+    ),
+    Setting(
         "HEALTH_PORT",
         "read by the container image's HEALTHCHECK (default 8100 in the CPU image)",
         "the port whose `/health` the image's health check asks (8200 for a decode engine "
