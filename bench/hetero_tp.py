@@ -68,9 +68,12 @@ def _spec(model: Path, role: str, tp: int, connector: str) -> EngineSpec:
 
 
 def _first_error(log: str) -> str:
-    found = ERROR_LINE.findall(log)
-    lines = [line for line in log.splitlines() if "Error" in line or "refus" in line]
-    return (lines[-1] if lines else (found[-1] if found else log[-300:])).strip()[:400]
+    """The last line of ``log`` that says what failed (warnings left out)."""
+    lines = [
+        line for line in log.splitlines()
+        if "WARNING" not in line and ERROR_LINE.search(line)
+    ]  # fmt: skip
+    return (lines[-1] if lines else log[-300:]).strip()[:400]
 
 
 def _answer(choice: dict) -> list[int] | str:
