@@ -57,9 +57,10 @@ def start_router(urls: dict[str, str], threshold: int, log: Path) -> tuple[subpr
     return router, url
 
 
-async def first_token_s(urls: dict[str, str], way: str, body: dict[str, Any]) -> float:
+async def first_token_s(urls: dict[str, str], body: dict[str, Any]) -> float:
+    """Seconds to the first streamed token from ``urls["router"]`` (an engine or a router)."""
     async with httpx.AsyncClient(timeout=600) as client:
-        _, ttft, _ = await timed_request(client, way, urls, body)
+        _, ttft, _ = await timed_request(client, "router", urls, body)
     return ttft
 
 
@@ -84,14 +85,13 @@ def run(requests: int, threshold: int, short_words: int, long_words: int) -> dic
                     body = {"model": model, "max_tokens": 4, "temperature": 0.0}
                     body.update(ignore_eos=True, stream=True)
                     body["prompt"] = prompt(index * 10 + offset, short_words)
-                    target = "decode" if way == "decode_alone" else "router"
-                    seconds = asyncio.run(first_token_s(ways[way], target, body))
+                    seconds = asyncio.run(first_token_s(ways[way], body))
                     if index:
                         ttft[way].append(seconds)
                 long_body = {"model": model, "max_tokens": 4, "temperature": 0.0, "stream": True}
                 long_body["prompt"] = prompt(index * 10 + 9, long_words)
                 before = read_kv_transfer_counters(urls["decode"])
-                asyncio.run(first_token_s(ways["router_conditional"], "router", long_body))
+                asyncio.run(first_token_s(ways["router_conditional"], long_body))
                 long_nixl.append((read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes)
                 print(f"request {index}/{requests}", file=sys.stderr, flush=True)
             choices = httpx.get(f"{conditional_url}/metrics", timeout=10).text

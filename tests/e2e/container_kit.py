@@ -224,19 +224,26 @@ def build_gpu_dockerfile_on_stand_in(
     return BuiltImage(image, stand_in, build_s, 0.0, size)
 
 
+def health_check_passes(cli: ContainerCli, name: str) -> bool:
+    """One run of the image's HEALTHCHECK in ``name`` by hand (podman schedules health
+    checks with systemd timers, which a machine without systemd lacks); a run past 60 s
+    (busy cores) counts as not healthy yet."""
+    try:
+        return cli.run("healthcheck", "run", name, check=False, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:
+        progress(f"{name}: a health check ran past 60 s (busy cores); asking again")
+        return False
+
+
 def wait_healthy(cli: ContainerCli, name: str, timeout_s: float = 420) -> None:
-    """Until the image's own HEALTHCHECK passes in ``name`` (run by hand: podman schedules
-    health checks with systemd timers, which a machine without systemd lacks)."""
+    """Until the image's own HEALTHCHECK passes in ``name``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cli.inspect(name, "{{.State.Running}}") != "true":
             raise AssertionError(f"container {name} stopped:\n{first_errors(cli, name)}")
         if cli.is_podman:
-            try:
-                if cli.run("healthcheck", "run", name, check=False, timeout=60).returncode == 0:
-                    return
-            except subprocess.TimeoutExpired:
-                progress(f"{name}: a health check ran past 60 s (busy cores); asking again")
+            if health_check_passes(cli, name):
+                return
         elif cli.inspect(name, "{{.State.Health.Status}}") == "healthy":
             return
         time.sleep(2)
@@ -412,11 +419,7 @@ class HealthTicker:
             for service, name in self.services().items():
                 self.first_seen.setdefault(service, time.time())
                 if self.cli.is_podman:  # every check run by hand, healthy or not
-                    try:
-                        done = self.cli.run("healthcheck", "run", name, check=False, timeout=60)
-                    except subprocess.TimeoutExpired:
-                        continue  # a check slower than 60 s (busy cores): not healthy yet
-                    healthy = done.returncode == 0
+                    healthy = health_check_passes(self.cli, name)
                 elif service in self.first_healthy:
                     continue
                 else:

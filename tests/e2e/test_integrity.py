@@ -517,3 +517,58 @@ def test_short_prompts_skip_the_prefill_hop_and_long_ones_do_not(
         )
         assert chosen == 1
     assert_alive(stack)
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        ({"max_tokens": -1}, 400),
+        ({"prompt": [True, False]}, 400),
+        ({"prompt": {"text": SHORT}}, 400),
+        ({"kv_transfer_params": {"do_remote_prefill": True}}, 400),
+        ({"prompt_embeds": "AAAA"}, None),  # length unknown: P/D, whatever the engine says
+    ],
+    ids=["negative-max-tokens", "bools", "dict-prompt", "client-kv-params", "embeds"],
+)
+def test_hostile_short_prompts_get_a_clear_error_and_never_skip_the_checks(
+    stack: Stack, extra: dict, status: int | None
+) -> None:
+    """The short-prompt path takes only what the P/D path takes: malformed bodies get the
+    router's 4xx before any engine, a body whose length cannot be told goes P/D, and both
+    engines stay up."""
+    pool = BackendPool.from_urls([stack.pair.prefill.spec.url], [stack.pair.decode.spec.url])
+    with running_router(pool, settings=RouterSettings(short_prompt_tokens=32)) as url:
+        request = {**body(stack.pair.model, SHORT), **extra}
+        answer = httpx.post(f"{url}/v1/completions", json=request, timeout=300)
+        colocated = metric_sum(url, "router_policy_choices_total", role="colocated")
+        if status is not None:
+            assert answer.status_code == status, answer.text[:500]
+            assert "error" in answer.json()
+        assert colocated == 0, answer.text[:500]  # never run on the short-prompt path
+    assert_alive(stack)
+
+
+def test_a_chat_body_cannot_look_short_through_a_prompt_field(stack: Stack) -> None:
+    """vLLM's chat endpoint ignores ``prompt``: a long conversation with ``"prompt": ""``
+    still goes P/D, and its answer equals the prefill engine's alone."""
+    pool = BackendPool.from_urls([stack.pair.prefill.spec.url], [stack.pair.decode.spec.url])
+    chat = {
+        "model": stack.pair.model,
+        "messages": [{"role": "user", "content": A}],
+        "prompt": "",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    expected = httpx.post(
+        f"{stack.pair.prefill.spec.url}/v1/chat/completions", json=chat, timeout=300
+    )
+    assert expected.status_code == 200, expected.text[:500]
+    with running_router(pool, settings=RouterSettings(short_prompt_tokens=32)) as url:
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=300)
+        assert answer.status_code == 200, answer.text[:500]
+        assert metric_sum(url, "router_policy_choices_total", role="colocated") == 0
+        assert metric_sum(url, "router_leg_requests_total", leg="prefill") == 1
+    got = answer.json()["choices"][0]["message"]["content"]
+    assert got == expected.json()["choices"][0]["message"]["content"]
+    assert_alive(stack)

@@ -62,7 +62,7 @@ def test_each_endpoint_is_measured_by_the_field_it_reads() -> None:
                 ]
             },
             True,
-        ),  # fmt: skip
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True),
     ],
     ids=["batch", "token-batch", "bools", "embeds", "empty", "image-part", "tools"],

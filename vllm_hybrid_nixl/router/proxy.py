@@ -482,11 +482,18 @@ class Disaggregator:
                 missing.leg,
                 engine.label,
             )
-            response = await self.send_leg("colocated", engine, path, body, stream)
-            if not stream:
-                return DecodeAnswer(engine, engine, response)
-            return await self._checked_stream(engine, engine, response)
+            return await self._colocated_leg(engine, path, body, stream)
         raise missing
+
+    async def _colocated_leg(
+        self, engine: Backend, path: str, body: dict[str, Any], stream: bool
+    ) -> DecodeAnswer:
+        """The whole request on ``engine`` as an ordinary request (no KV moves); a stream's
+        first event is checked before the client gets a byte."""
+        response = await self.send_leg("colocated", engine, path, body, stream)
+        if not stream:
+            return DecodeAnswer(engine, engine, response)
+        return await self._checked_stream(engine, engine, response)
 
     async def short_prompt_colocated(
         self, path: str, body: dict[str, Any], stream: bool
@@ -509,10 +516,7 @@ class Disaggregator:
         self.metrics.policy_choices.labels("colocated", "short_prompt", engine.url).inc()
         leg_body = {**body, "request_id": leg_request_id()}
         try:
-            response = await self.send_leg("colocated", engine, path, leg_body, stream)
-            if not stream:
-                return DecodeAnswer(engine, engine, response), []
-            return await self._checked_stream(engine, engine, response), []
+            return await self._colocated_leg(engine, path, leg_body, stream), []
         except LegError as exc:
             if exc.kind == "client_error":  # the request is at fault: P/D would fail alike
                 raise
