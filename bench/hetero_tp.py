@@ -38,6 +38,8 @@ MODELS = {
     "llama-hybrid": TinyModelSpec("llama-hybrid"),  # sliding window + full attention
     "nemotron-h-g1": TinyModelSpec("nemotron-h"),  # Mamba2, n_groups 1: TP replicates B/C
     "nemotron-h-g2": TinyModelSpec("nemotron-h", mamba_groups=2),  # TP2 splits B/C
+    # one KV head: a TP2 engine holds it on both ranks (replicated), a TP1 engine once
+    "llama-hybrid-kv1": TinyModelSpec("llama-hybrid", kv_heads=1),
 }
 DEFAULT_CASES = [
     "stock:nemotron-h-g2:1:2",
@@ -49,6 +51,11 @@ DEFAULT_CASES = [
 ]
 WORDS = "the decode engine splits its state over two ranks"
 PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 8, 20])]
+#: ``--more-prompts``: other lengths and words, for a case whose outcome one prompt decides.
+MORE_PROMPTS = [
+    f"more {i}: " + " ".join([f"{WORDS} {i} and {j}" for j in range(n)])
+    for i, n in enumerate([3, 6, 9, 12, 15])
+]
 ERROR_LINE = re.compile(r"(Error|error|refus|mismatch|not supported)[^\n]{0,300}")
 
 
@@ -80,7 +87,9 @@ def _answer(choice: dict) -> list[int] | str:
     return choice.get("token_ids") or choice["text"]
 
 
-def run_case(case: str, models: dict[str, Path], max_tokens: int, logs: Path) -> dict[str, Any]:
+def run_case(
+    case: str, models: dict[str, Path], max_tokens: int, logs: Path, prompts: list[str]
+) -> dict[str, Any]:
     who, model_name, p_tp, d_tp = case.split(":")
     connector = CONNECTORS[who]
     specs = [
@@ -101,7 +110,7 @@ def run_case(case: str, models: dict[str, Path], max_tokens: int, logs: Path) ->
                 result.update(outcome="refused", at="start", why=_first_error(engine.log_text()))
                 return result
         with httpx.Client(timeout=300) as client:
-            for prompt in PROMPTS:
+            for prompt in prompts:
                 body = {"model": str(models[model_name]), "prompt": prompt}
                 body.update(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 body["return_token_ids"] = True
@@ -130,6 +139,7 @@ def run_case(case: str, models: dict[str, Path], max_tokens: int, logs: Path) ->
                         "prompt_words": len(prompt.split()),
                         "equals_prefill_alone": pd == alone[0],
                         "equals_decode_alone": pd == alone[1],
+                        "engines_alone_agree": alone[0] == alone[1],
                         "nixl_bytes": moved.nixl_bytes,
                     }
                 )
@@ -147,6 +157,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--more-prompts", action="store_true", help="5 more prompts a case")
     parser.add_argument("--out", type=Path, default=RESULTS / "hetero_tp.json")
     args = parser.parse_args()
     results = []
@@ -156,7 +167,8 @@ def main() -> int:
         models = {name: build_tiny_model(tmp / name, MODELS[name]) for name in names}
         for case in args.cases:
             print(f"case {case} ...", file=sys.stderr, flush=True)
-            result = run_case(case, models, args.max_tokens, tmp)
+            prompts = PROMPTS + (MORE_PROMPTS if args.more_prompts else [])
+            result = run_case(case, models, args.max_tokens, tmp, prompts)
             print(f"  {result['outcome']}: {result.get('why', '')}", file=sys.stderr, flush=True)
             results.append(result)
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,10 @@ decode engine (vLLM's CPU build runs TP=2 as two worker processes, one per core)
 
 Plain model: stock NIXL supports this, and so do we: ``check``, the router's pairing and the
 engines all accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
-KV read over NIXL by both decode ranks. Hybrid model: not supported (vLLM splits per-rank
-KV heads, which the hybrid layout check cannot map); ``check``, the router and the decode
-engine all refuse it by name.
+KV read over NIXL by both decode ranks. Mamba2 hybrid whose B/C groups split over TP 2
+(n_groups 2): served the same way, each decode rank verifying the prefill's per-rank layout.
+Mamba2 hybrid with one B/C group, which TP 2 replicates on both ranks (stock NIXL answers it
+with wrong tokens): ``check``, the router and the decode engine all refuse it by name.
 
 Two cores for three processes: the decode ranks' busy-polling NIXL progress threads, although
 at idle priority, slowed a normal process sharing their core 18-170x on this VM (measured: a
@@ -15,6 +16,7 @@ decode rank 0, so its lease service can answer late: the decode engine here wait
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, run_pd_and_colocated, start_pair
+from vllm_hybrid_nixl.deploy.mamba_defaults import mamba_engine_args, set_mamba_environment
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
@@ -60,10 +63,14 @@ def pairing_problem(pair: PdPair) -> str:
 
 
 def check_text(model: Path) -> tuple[int, str]:
-    """`vllm-hybrid-nixl check` TP=1 against TP=2, in its own process: a dry run in this one
+    """`vllm-hybrid-nixl check` TP=1 against TP=2, in its own process, with what our launchers
+    give a Mamba engine (prefix caching off, the DS conv-state layout): a dry run in this one
     would let vLLM's CPU platform write its Mamba conv-state default into our environment,
     which the Mamba engines of later tests would inherit."""
     base = f"--model {model} --max-model-len 1024 --block-size 64"
+    base = " ".join([base, *mamba_engine_args(str(model), [])])
+    env = dict(os.environ)
+    set_mamba_environment(str(model), env)
     cli = Path(sys.executable).with_name("vllm-hybrid-nixl")
     done = subprocess.run(
         [
@@ -71,7 +78,7 @@ def check_text(model: Path) -> tuple[int, str]:
             "--prefill-args", f"{base} --tensor-parallel-size 1",
             "--decode-args", f"{base} --tensor-parallel-size 2",
         ],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     return done.returncode, done.stdout + done.stderr
 
@@ -125,23 +132,56 @@ def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: Plain
     assert log.count("validated 4 KV-cache layers") == 2  # our worker on both ranks
 
 
-def test_hybrid_model_tp1_to_tp2_is_refused_by_check_router_and_engine(
-    plain_case: PlainCase, tiny_hybrid_model: Path, tmp_path: Path
+def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
+    plain_case: PlainCase, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     for engine in (plain_case.pair.prefill, plain_case.pair.decode):
         engine.stop()  # two cores: the hybrid pair needs them
-    code, text = check_text(tiny_hybrid_model)
-    assert code == 1, text
-    assert "heterogeneous tensor parallelism with a hybrid model is not supported" in text
-    pair_iter = start_hetero_pair(tiny_hybrid_model, tmp_path)
+    spec = TinyModelSpec(arch="nemotron-h", mamba_groups=2)
+    model = build_tiny_model(tmp_path_factory.mktemp("tp-nemotron-g2"), spec)
+    code, text = check_text(model)
+    assert code == 0, text
+    assert "split over TP 1 and 2" in text
+    pair_iter = start_hetero_pair(model, tmp_path_factory.mktemp("tp-mamba-logs"))
     pair = next(pair_iter)
     try:
-        assert "tensor_parallel_size" in pairing_problem(pair)
+        warm_up(pair)
+        assert pairing_problem(pair) == ""
+        for prompt in PROMPTS:
+            body = {"model": pair.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            run = run_pd_and_colocated(pair, body)
+            assert run.pd_choice["text"] == run.colocated_choice["text"], prompt
+            assert run.moved.nixl_bytes > 0 and run.moved.failed_transfers == 0
+        log = pair.decode.log_text()
+        assert "Worker_TP0" in log and "Worker_TP1" in log
+        # each decode rank checked the prefill's TP 1 layout against its own TP 2 slice
+        verified = log.count("has TP 1, this engine TP 2; per-rank layouts correspond")
+        assert verified >= 2, log[-3000:]
+    finally:
+        pair_iter.close()
+
+
+def test_mamba_hybrid_with_replicated_state_is_refused_by_check_router_and_engine(
+    plain_case: PlainCase, tiny_mamba_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One B/C group over decode TP 2: vLLM replicates it on both ranks, and stock NIXL reads
+    it at the wrong offsets (HTTP 200, wrong tokens for 3 of 3 prompts, bench/hetero_tp.py)."""
+    code, text = check_text(tiny_mamba_model)
+    assert code == 1, text
+    assert "heterogeneous tensor parallelism (prefill TP 1, decode TP 2)" in text
+    assert "n_groups is not divisible by TP" in text
+    pair_iter = start_hetero_pair(tiny_mamba_model, tmp_path_factory.mktemp("tp-refused-logs"))
+    pair = next(pair_iter)
+    try:
+        problem = pairing_problem(pair)
+        assert "].state" in problem and "n_groups" in problem, problem
         body = {"model": pair.model, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
         with httpx.Client(timeout=120.0) as client, pytest.raises(LegError) as info:
             disaggregated_completion(client, pair.prefill.spec.url, pair.decode.spec.url, body)
         assert "decode leg" in str(info.value)
         log = pair.decode.log_text()
-        assert "refused KV transfer" in log and "tensor_parallel_size" in log, log[-3000:]
+        assert "refused KV transfer" in log and "n_groups is not divisible by TP" in log, log[
+            -3000:
+        ]
     finally:
         pair_iter.close()

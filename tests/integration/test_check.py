@@ -134,13 +134,33 @@ def test_heterogeneous_tp_on_a_plain_model_gets_one_fingerprint(tmp_path: Path) 
     assert prefill_digest == decode_digest
 
 
-def test_heterogeneous_tp_on_a_hybrid_model_is_refused_by_name(tiny_hybrid_model: Path) -> None:
+def test_heterogeneous_tp_on_a_hybrid_model_is_judged_by_its_splits(
+    tiny_hybrid_model: Path, tmp_path: Path
+) -> None:
+    """The dry run holds each side's per-rank layout (KV heads and Mamba state at its own TP):
+    a sliding-window hybrid whose 2 KV heads split over TP 2 passes, with half the page per
+    rank; a Mamba2 hybrid with one B/C group, which vLLM replicates on each TP 2 rank, is
+    refused naming the state and what to change."""
     code, text = check(
         [*base(tiny_hybrid_model), "--tensor-parallel-size", "1"],
         [*base(tiny_hybrid_model), "--tensor-parallel-size", "2"],
     )
+    assert code == 0, text
+    assert "split over TP 1 and 2" in text
+    page_row = next(line for line in text.splitlines() if line.startswith("groups[0].page_bytes"))
+    prefill_page, decode_page = (int(value) for value in page_row.split()[1:3])
+    assert prefill_page == 2 * decode_page
+
+    one_group = build_tiny_model(tmp_path / "nemotron-h", TinyModelSpec(arch="nemotron-h"))
+    mamba = [*base(one_group), "--no-enable-prefix-caching"]
+    code, text = check(
+        [*mamba, "--tensor-parallel-size", "1"], [*mamba, "--tensor-parallel-size", "2"]
+    )
     assert code == 1, text
-    assert "heterogeneous tensor parallelism with a hybrid model is not supported" in text
+    assert "heterogeneous tensor parallelism (prefill TP 1, decode TP 2)" in text
+    state_row = next(line for line in text.splitlines() if "].state" in line and "<>" in line)
+    assert "mamba2" in state_row
+    assert "n_groups is not divisible by TP" in text
 
 
 def test_prefix_caching_on_a_mamba_model_is_reported(tmp_path: Path) -> None:

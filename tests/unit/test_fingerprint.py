@@ -101,10 +101,65 @@ def test_vllm_hash_alone_is_named_when_nothing_readable_differs() -> None:
     assert [item.field for item in found] == ["vllm_compat_hash"]
 
 
-def test_tensor_parallel_mismatch_matters_only_for_hybrid_models() -> None:
+def mamba_hybrid(tp: int, n_groups: int = 2, **overrides) -> LayoutFingerprint:
+    """A tiny NemotronH-style fingerprint at TP ``tp``: one attention group (2 KV heads) and
+    one Mamba2 group whose per-rank conv rows are (x + 2 * padded groups * 16) / tp, with
+    vLLM's padding of B/C groups to the TP size when n_groups does not divide it."""
+    padded = n_groups if n_groups % tp == 0 else n_groups + (tp - n_groups % tp)
+    conv_rows = (256 + 2 * padded * 16) // tp
+    page = 2 * 2 * 32 * 4 * 64 // tp
+    state = f"mamba2 (3,{conv_rows})+({8 // tp},32,16) float32+float32"
+    attention = GroupFingerprint("full_attention", 2, 64, 64, 1, page, None, "float32")
+    mamba = GroupFingerprint("mamba", 2, 64, 64, 1, page, None, "float32", state=state)
+    return dataclasses.replace(
+        make(tensor_parallel_size=tp, **overrides), groups=(attention, mamba)
+    )
+
+
+def test_tensor_parallel_sizes_are_judged_by_the_per_rank_splits() -> None:
+    """Plain models: TP is not part of the layout. Hybrid models: different TP sizes pass when
+    every rank holds an exact slice of the same layout; a replicated Mamba state, sizes that do
+    not divide, push mode, a prefill replicating KV heads into a smaller decode TP, and pages
+    that are not the head split are named with what to change."""
     assert differences(make(groups=1), make(groups=1, tensor_parallel_size=2)) == []
-    found = differences(make(groups=2), make(groups=2, tensor_parallel_size=2))
+    assert differences(mamba_hybrid(2), mamba_hybrid(1)) == []  # n_groups 2 splits over TP 2
+    assert differences(mamba_hybrid(1), mamba_hybrid(2), "prefill") == []  # and the other way
+    sliding = make(groups=2)  # 2 KV heads: TP 2 holds one per rank
+    halved = [dataclasses.replace(g, page_bytes=g.page_bytes // 2) for g in sliding.groups]
+    assert (
+        differences(
+            sliding, dataclasses.replace(make(tensor_parallel_size=2), groups=tuple(halved))
+        )
+        == []
+    )
+
+    found = differences(mamba_hybrid(2, n_groups=1), mamba_hybrid(1, n_groups=1))
+    assert [item.field for item in found] == ["groups[1].state"]
+    message = mismatch_message(found, "decode", "prefill", "p")
+    assert "n_groups is not divisible by TP" in message and "(3,160)" in message
+
+    found = differences(sliding, make(tensor_parallel_size=2))
+    assert [item.field for item in found] == ["groups[0].page_bytes", "groups[1].page_bytes"]
+    assert "2 KV heads split over TP 1 and 2" in mismatch_message(found, "d", "p", "p")
+
+    found = differences(mamba_hybrid(2), mamba_hybrid(3))
     assert [item.field for item in found] == ["tensor_parallel_size"]
+    assert "divide each other" in mismatch_message(found, "d", "p", "p")
+
+    pushed = differences(
+        mamba_hybrid(2, transfer_mode="push"), mamba_hybrid(1, transfer_mode="push")
+    )
+    assert [item.field for item in pushed] == ["tensor_parallel_size"]
+    assert "HybridNixlConnector (pull)" in mismatch_message(pushed, "d", "p", "p")
+
+    wide = dataclasses.replace(make(tensor_parallel_size=4), groups=tuple(halved))
+    narrow = dataclasses.replace(make(tensor_parallel_size=2), groups=tuple(halved))
+    found = differences(narrow, wide)  # a TP 4 prefill holds 2 KV heads replicated
+    assert [item.field for item in found] == ["tensor_parallel_size"]
+    assert "prefill engine's TP 4 replicates the model's 2 KV heads" in mismatch_message(
+        found, "d", "p", "p"
+    )
+    assert differences(wide, narrow) == []  # a TP 4 decode reads each head whole on two ranks
 
 
 def test_group_count_difference_is_named() -> None:

@@ -413,14 +413,35 @@ class HybridRegistrationMixin:
     def _nixl_handshake(
         self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *args, **kwargs
     ) -> Any:
-        """Compare layouts with the peer before vLLM's own handshake adds it as a remote agent."""
-        self.verify_peer_layout(host, port, expected_engine_id)
-        return super()._nixl_handshake(  # type: ignore[misc]
-            host, port, remote_tp_size, expected_engine_id, *args, **kwargs
-        )
+        """Compare layouts with the peer before vLLM's own handshake adds it as a remote agent.
 
-    def verify_peer_layout(self, host: str, port: int, engine_id: str) -> None:
-        """Raise (and log) when the peer's KV-cache layout or connector differs from ours."""
+        vLLM then compares every remote rank's string with ours, exactly. A hybrid peer of
+        another TP size sends a different string (its TP size and per-rank facts) that our
+        comparison accepted; for that handshake vLLM is given the peer's verified string as
+        the expected one, so it still confirms that every rank it reads sends exactly that
+        layout. vLLM runs handshakes one at a time (one handshake thread), and reads
+        ``compat_hash`` otherwise only when it builds its own metadata at registration."""
+        worker: Any = self
+        wire = self.verify_peer_layout(host, port, expected_engine_id, remote_tp_size)
+        own = worker.compat_hash
+        if wire is None or wire == own:
+            return super()._nixl_handshake(  # type: ignore[misc]
+                host, port, remote_tp_size, expected_engine_id, *args, **kwargs
+            )
+        worker.compat_hash = wire
+        try:
+            return super()._nixl_handshake(  # type: ignore[misc]
+                host, port, remote_tp_size, expected_engine_id, *args, **kwargs
+            )
+        finally:
+            worker.compat_hash = own
+
+    def verify_peer_layout(
+        self, host: str, port: int, engine_id: str, remote_tp_size: int | None = None
+    ) -> str | None:
+        """Raise (and log) when the peer's KV-cache layout or connector differs from ours;
+        return the peer's string when it is ours and compatible but not equal to our own
+        (a hybrid peer of another TP size), else None."""
         worker: Any = self
         local_role, remote_role = (
             ("decode", "prefill")
@@ -429,7 +450,7 @@ class HybridRegistrationMixin:
         )
         where = f"{engine_id} ({host}:{port})"
         wire = self._read_peer_compat_string(host, port, where)
-        verdict = compare_with_peer(self.layout_fingerprint, wire)
+        verdict = compare_with_peer(self.layout_fingerprint, wire, local_role)
         error: RuntimeError | None = None
         if verdict.stock_peer:
             allow = worker.kv_transfer_config.get_from_extra_config("allow_stock_peer", False)
@@ -448,9 +469,40 @@ class HybridRegistrationMixin:
             error = LayoutMismatchError(
                 mismatch_message(verdict.differences, local_role, remote_role, where)
             )
+        elif (
+            verdict.remote is not None
+            and verdict.remote.tensor_parallel_size
+            and remote_tp_size is not None
+            and verdict.remote.tensor_parallel_size != remote_tp_size
+        ):
+            error = LayoutMismatchError(
+                f"vllm-hybrid-nixl refused KV transfer with {remote_role} engine {where}: its "
+                f"layout fingerprint says tensor-parallel size "
+                f"{verdict.remote.tensor_parallel_size}, but the request's transfer parameters "
+                f"say {remote_tp_size}; the request came from another engine than the one "
+                "answering on that side channel. What to change: give every engine its own "
+                "VLLM_NIXL_SIDE_CHANNEL_PORT and route each request to the engine that "
+                "prefilled it."
+            )
         if error is not None:
             logger.error("%s", error)
             raise error
+        if verdict.stock_peer or wire == self.layout_fingerprint.encode():
+            return None
+        remote = verdict.remote
+        logger.info(
+            "vllm-hybrid-nixl: %s engine %s has TP %s, this engine TP %s; per-rank layouts "
+            "correspond (%s)",
+            remote_role,
+            where,
+            remote.tensor_parallel_size if remote else "?",
+            self.layout_fingerprint.tensor_parallel_size,
+            "; ".join(
+                f"{g.kind}: {g.state or f'{g.page_bytes} B/page'}"
+                for g in self.layout_fingerprint.groups
+            ),
+        )
+        return wire
 
     @staticmethod
     def _read_peer_compat_string(host: str, port: int, where: str) -> str:

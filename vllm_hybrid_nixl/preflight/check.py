@@ -172,9 +172,12 @@ def compare(prefill: SideReport, decode: SideReport) -> CheckReport:
             "different block sizes under the hybrid KV-cache allocator: stock NIXL answers "
             "with wrong tokens or fails; ours refuses at handshake"
         )
-    if "tensor_parallel_size" in names:
+    tp_sizes = (prefill.fingerprint.tensor_parallel_size, decode.fingerprint.tensor_parallel_size)
+    if found and prefill.fingerprint.is_hybrid and tp_sizes[0] != tp_sizes[1]:
         problems.append(
-            "heterogeneous tensor parallelism with a hybrid model is not supported by NIXL"
+            f"heterogeneous tensor parallelism (prefill TP {tp_sizes[0]}, decode TP "
+            f"{tp_sizes[1]}): this hybrid model's KV cannot move between these TP sizes "
+            "(the fields below say why)"
         )
     if found:
         problems.append(
@@ -229,7 +232,9 @@ def run_check(prefill_args: list[str], decode_args: list[str], out: TextIO = sys
     report = compare(prefill, decode)
     print(render_table(report), file=out)
     if report.compatible:
-        print("\nOK: prefill and decode have the same KV-cache layout.", file=out)
+        sizes = (prefill.fingerprint.tensor_parallel_size, decode.fingerprint.tensor_parallel_size)
+        split = f" (split over TP {sizes[0]} and {sizes[1]})" if sizes[0] != sizes[1] else ""
+        print(f"\nOK: prefill and decode have the same KV-cache layout{split}.", file=out)
         return 0
     print("\nINCOMPATIBLE:", file=out)
     for problem in report.problems:

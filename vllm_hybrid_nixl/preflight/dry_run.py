@@ -8,6 +8,7 @@ own KV-cache planning (``compat.kv_cache_config_for``) groups them exactly as th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ def kv_cache_setup(
         ensure_model_parallel_initialized(1, 1)
         try:
             with torch.device(device):
-                initialize_model(vllm_config=vllm_config)  # registers the attention layers
+                model = initialize_model(vllm_config=vllm_config)  # registers the layers
             layers = vllm_config.compilation_config.static_forward_context
             specs = {
                 name: layer.get_kv_cache_spec(vllm_config)
@@ -69,6 +70,7 @@ def kv_cache_setup(
                 if isinstance(layer, AttentionLayerBase)
             }
             specs = {name: spec for name, spec in specs.items() if spec is not None}
+            specs = as_each_rank_holds_them(vllm_config, type(model), specs)
             # What the engine core does before sizing the cache: resolve one layout.
             backends = get_current_attn_backends(vllm_config)
             compat.resolve_kv_cache_layout(vllm_config, backends, specs.values())
@@ -77,3 +79,32 @@ def kv_cache_setup(
         finally:
             os.sched_setaffinity(0, affinity)
             cleanup_dist_env_and_memory()
+
+
+def as_each_rank_holds_them(vllm_config: Any, model_cls: type, specs: dict[str, Any]) -> dict:
+    """The dry run builds the model at TP 1 (one process); an engine at TP n holds per-rank
+    KV heads and Mamba state shapes. Rescale the specs as vLLM's layers would at TP n: KV heads
+    from the model config's own per-rank count, Mamba state shapes from the model class's
+    TP-aware shape function (the padded page and block size already come from TP n)."""
+    parallel_config = vllm_config.parallel_config
+    if int(parallel_config.tensor_parallel_size) == 1:
+        return specs
+    heads = int(vllm_config.model_config.get_num_kv_heads(parallel_config))
+    shapes_of = getattr(model_cls, "get_mamba_state_shape_from_config", None)
+    mamba_shapes = None
+    scaled = {}
+    for name, spec in specs.items():
+        if hasattr(spec, "num_kv_heads"):
+            spec = dataclasses.replace(spec, num_kv_heads=min(int(spec.num_kv_heads), heads))
+        elif hasattr(spec, "shapes") and shapes_of is not None:
+            if mamba_shapes is None:
+                mamba_shapes = tuple(tuple(int(d) for d in s) for s in shapes_of(vllm_config))
+            if len(mamba_shapes) < len(spec.shapes):
+                raise ValueError(
+                    f"{model_cls.__name__} reports {len(mamba_shapes)} state shapes at "
+                    f"TP {parallel_config.tensor_parallel_size}, its layer {name} "
+                    f"{len(spec.shapes)}; check cannot predict this model's per-rank state"
+                )
+            spec = dataclasses.replace(spec, shapes=mamba_shapes[: len(spec.shapes)])
+        scaled[name] = spec
+    return scaled

@@ -21,6 +21,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_hybrid_nixl.protocol.tp_split import PER_RANK_GROUP_FIELDS, split_problems
+
 PROTOCOL_VERSION = 1
 WIRE_PREFIX = "hybrid-nixl/"
 
@@ -35,7 +37,7 @@ FIELD_HINTS = {
     "num_hidden_layers": "serve the same model on both engines",
     "num_kv_heads": "serve the same model on both engines",
     "head_size": "serve the same model on both engines",
-    "tensor_parallel_size": "hybrid models need the same --tensor-parallel-size on both sides",
+    "tensor_parallel_size": "start both engines with the same --tensor-parallel-size",
     "kv_layout": "use the same attention backend (VLLM_ATTENTION_BACKEND) on both engines",
     "attn_backend": "use the same attention backend (VLLM_ATTENTION_BACKEND) on both engines",
     "transfer_mode": "run HybridNixlConnector (pull) or HybridNixlPushConnector on both sides",
@@ -142,6 +144,8 @@ class Difference:
     field: str
     local: Any
     remote: Any
+    #: What to change, where the field's usual hint does not say it.
+    hint: str = ""
 
 
 @dataclass
@@ -171,8 +175,15 @@ def decode(wire: str) -> LayoutFingerprint:
     return fingerprint
 
 
-def differences(local: LayoutFingerprint, remote: LayoutFingerprint) -> list[Difference]:
-    """Fields whose values differ, in a stable order (scalars first, then groups)."""
+def differences(
+    local: LayoutFingerprint, remote: LayoutFingerprint, local_role: str = "decode"
+) -> list[Difference]:
+    """Fields whose values differ, in a stable order (scalars first, then groups).
+
+    Plain models carry no TP size (vLLM's NIXL maps their KV heads across ranks). Hybrid
+    models of different TP sizes are compared by :mod:`~vllm_hybrid_nixl.protocol.tp_split`
+    for their per-rank facts, and field by field for everything else; ``local_role``
+    (``"decode"`` or ``"prefill"``) tells that rule which side is which."""
     mine, theirs = local.fields(), remote.fields()
     names = list(mine) + [name for name in theirs if name not in mine]
     found = [
@@ -184,18 +195,39 @@ def differences(local: LayoutFingerprint, remote: LayoutFingerprint) -> list[Dif
     # difference (then it is a factor vLLM hashes that we do not spell out).
     if len(found) > 1:
         found = [item for item in found if item.field != "vllm_compat_hash"]
-    # Equal heterogeneous TP is fine for plain models; hybrid ones need the same TP.
     if not (local.is_hybrid or remote.is_hybrid):
-        found = [item for item in found if item.field != "tensor_parallel_size"]
-    return found
+        return [item for item in found if item.field != "tensor_parallel_size"]
+    if local.tensor_parallel_size == remote.tensor_parallel_size:
+        return found
+    per_rank = {"tensor_parallel_size"} | {
+        f"groups[{index}].{name}"
+        for index in range(max(len(local.groups), len(remote.groups)))
+        for name in PER_RANK_GROUP_FIELDS
+    }
+    found = [item for item in found if item.field not in per_rank]
+    problems = split_problems(
+        local.tensor_parallel_size,
+        remote.tensor_parallel_size,
+        local_role=local_role,
+        transfer_mode=local.transfer_mode,
+        kv_heads=local.num_kv_heads,
+        local_groups=[asdict(group) for group in local.groups],
+        remote_groups=[asdict(group) for group in remote.groups],
+    )
+    return [
+        *(Difference(p.field, p.local, p.remote, p.hint) for p in problems),
+        *found,
+    ]
 
 
-def compare_with_peer(local: LayoutFingerprint, remote_wire: str) -> PeerVerdict:
+def compare_with_peer(
+    local: LayoutFingerprint, remote_wire: str, local_role: str = "decode"
+) -> PeerVerdict:
     """Compare our fingerprint with the string a peer sent as its compatibility hash."""
     if not is_ours(remote_wire):
         return PeerVerdict(compatible=False, stock_peer=True)
     remote = decode(remote_wire)
-    found = differences(local, remote)
+    found = differences(local, remote, local_role)
     return PeerVerdict(compatible=not found, differences=found, remote=remote)
 
 
@@ -213,7 +245,7 @@ def describe_differences(
     ]
     hints = []
     for item in found:
-        hint = _hint(item.field)
+        hint = item.hint or _hint(item.field)
         if hint and hint not in hints:
             hints.append(hint)
     if not hints:

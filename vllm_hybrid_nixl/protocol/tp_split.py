@@ -1,0 +1,186 @@
+"""Hybrid engines with different tensor-parallel sizes: which per-rank facts must correspond.
+
+Plain data, no vLLM import. A hybrid fingerprint carries its TP size and per-rank facts (each
+group's page bytes, each Mamba state tensor's per-rank shape). Between different TP sizes those
+differ by design; what must hold instead is that every rank holds an exact slice of the same
+global layout, because vLLM's NIXL worker cuts each remote rank's bytes by that assumption:
+
+- the TP sizes divide each other, and the pair runs the pull (READ) connector;
+- a prefill TP larger than the decode TP has no more ranks than the model has KV heads (vLLM's
+  NIXL cannot read replicated heads into a smaller TP; into a larger decode TP it reads the
+  replicated head whole on each rank), and an attention group's per-rank page is the same
+  bytes per KV head on both sides (where no Mamba group pads the pages);
+- a Mamba / linear-attention state tensor has the same kind, rank and dtype on both sides, and
+  per-rank elements x TP equal: a state that vLLM replicates on one side only (Mamba2 with
+  ``n_groups`` not divisible by TP pads B/C groups per rank) breaks this, and stock NIXL reads
+  it at the wrong offsets (measured: HTTP 200 with wrong tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+#: Per-rank group fields: they differ between TP sizes and are judged by this module instead.
+PER_RANK_GROUP_FIELDS = ("page_bytes", "state")
+
+SAME_TP_HINT = "or start both engines with the same --tensor-parallel-size"
+
+
+@dataclass(frozen=True)
+class SplitProblem:
+    """One fact that does not correspond between the two TP sizes, and what to change."""
+
+    field: str
+    local: object
+    remote: object
+    hint: str
+
+
+@dataclass(frozen=True)
+class StateTensors:
+    """A Mamba group's ``state`` fingerprint string, parsed: ``mamba2 (288,3)+(8,32,16)
+    float32+float32``."""
+
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> StateTensors | None:
+        parts = text.split(" ")
+        if len(parts) != 3:
+            return None
+        kind, shapes, dtypes = parts
+        found = re.findall(r"\(([\d,]*)\)", shapes)
+        return cls(
+            kind=kind,
+            shapes=tuple(tuple(int(d) for d in item.split(",") if d) for item in found),
+            dtypes=tuple(dtypes.split("+")),
+        )
+
+
+def _state_problem(
+    index: int, local: str, remote: str, tp_local: int, tp_remote: int
+) -> SplitProblem | None:
+    mine, theirs = StateTensors.parse(local), StateTensors.parse(remote)
+    name = f"groups[{index}].state"
+    if mine is None or theirs is None:
+        return None if local == remote else SplitProblem(name, local, remote, _STATE_HINT)
+    if mine.kind != theirs.kind or mine.dtypes != theirs.dtypes:
+        return SplitProblem(name, local, remote, _STATE_KIND_HINT)
+    if [len(s) for s in mine.shapes] != [len(s) for s in theirs.shapes]:
+        return SplitProblem(name, local, remote, _STATE_HINT)
+    for own, other in zip(mine.shapes, theirs.shapes, strict=True):
+        if math.prod(own) * tp_local != math.prod(other) * tp_remote:
+            return SplitProblem(name, local, remote, _STATE_HINT)
+    return None
+
+
+_STATE_HINT = (
+    "the Mamba state does not split evenly over both TP sizes (vLLM replicates a Mamba2 "
+    "model's B/C groups on each rank when n_groups is not divisible by TP, and NIXL would read "
+    "them at the wrong offsets); use TP sizes that divide the model's n_groups and state heads, "
+    + SAME_TP_HINT
+)
+_STATE_KIND_HINT = (
+    "give both engines the same --mamba-ssm-cache-dtype, --mamba-cache-dtype and "
+    "VLLM_SSM_CONV_STATE_LAYOUT (DS)"
+)
+
+
+def _attention_problem(
+    index: int,
+    page_local: int,
+    page_remote: int,
+    kv_heads: int,
+    tp_local: int,
+    tp_remote: int,
+) -> SplitProblem | None:
+    heads_local, heads_remote = max(1, kv_heads // tp_local), max(1, kv_heads // tp_remote)
+    if page_local * heads_remote != page_remote * heads_local:
+        return SplitProblem(
+            f"groups[{index}].page_bytes",
+            page_local,
+            page_remote,
+            f"the per-rank pages are not {kv_heads} KV heads split over TP {tp_local} and "
+            f"{tp_remote}; start both engines with the same model, --block-size and cache "
+            f"dtype, {SAME_TP_HINT}",
+        )
+    return None
+
+
+def split_problems(
+    local_tp: int,
+    remote_tp: int,
+    *,
+    local_role: str,
+    transfer_mode: str,
+    kv_heads: int,
+    local_groups: list[dict[str, object]],
+    remote_groups: list[dict[str, object]],
+) -> list[SplitProblem]:
+    """Problems of a hybrid pair whose TP sizes differ (``[]``: vLLM's NIXL can move its KV).
+
+    ``local_role`` is ``"prefill"`` or ``"decode"``; groups are the fingerprints' group fields
+    as dicts (``kind``, ``page_bytes``, ``state``)."""
+    small, large = sorted((local_tp, remote_tp))
+    if small < 1 or large % small:
+        return [
+            SplitProblem(
+                "tensor_parallel_size",
+                local_tp,
+                remote_tp,
+                "vLLM's NIXL moves KV between TP sizes that divide each other (1 and 2, 2 and "
+                f"4, ...); {SAME_TP_HINT.removeprefix('or ')}",
+            )
+        ]
+    if transfer_mode != "pull":
+        return [
+            SplitProblem(
+                "tensor_parallel_size",
+                local_tp,
+                remote_tp,
+                "HybridNixlPushConnector moves a hybrid model's KV only between equal TP sizes "
+                "(vLLM's push worker); run HybridNixlConnector (pull) on both engines, "
+                + SAME_TP_HINT,
+            )
+        ]
+    found: list[SplitProblem] = []
+    prefill_tp = local_tp if local_role == "prefill" else remote_tp
+    if prefill_tp == large and prefill_tp > kv_heads:
+        found.append(
+            SplitProblem(
+                "tensor_parallel_size",
+                local_tp,
+                remote_tp,
+                f"the prefill engine's TP {prefill_tp} replicates the model's {kv_heads} KV "
+                "heads (more ranks than heads), and vLLM's NIXL cannot read replicated heads "
+                f"into a smaller decode TP; use a prefill TP of at most {kv_heads}, a decode "
+                "TP at least the prefill's, " + SAME_TP_HINT,
+            )
+        )
+    # With Mamba groups, vLLM pads the attention pages to the state's page (a padding that
+    # does not scale with TP); the model-level fields (heads, head size, dtypes, block size)
+    # are compared as they are, and vLLM's NIXL reads each remote page by its own length.
+    padded = any(group.get("kind") == "mamba" for group in (*local_groups, *remote_groups))
+    for index, (mine, theirs) in enumerate(zip(local_groups, remote_groups, strict=False)):
+        if mine.get("kind") != theirs.get("kind") or (padded and mine.get("kind") != "mamba"):
+            continue  # a kind difference is named by the field comparison
+        if mine.get("kind") == "mamba":
+            problem = _state_problem(
+                index, str(mine.get("state")), str(theirs.get("state")), local_tp, remote_tp
+            )
+        else:
+            problem = _attention_problem(
+                index,
+                int(mine.get("page_bytes") or 0),
+                int(theirs.get("page_bytes") or 0),
+                kv_heads,
+                local_tp,
+                remote_tp,
+            )
+        if problem is not None:
+            found.append(problem)
+    return found
