@@ -3,7 +3,8 @@
 
     python -m bench.hetero_tp [--cases stock:nemotron-h-g1:1:2 ...] [--max-tokens 12]
 
-For each case (connector, model, prefill TP, decode TP) a prefill and a decode ``vllm serve``
+For each case (connector, model, prefill TP, decode TP[, prefill and decode block size, 64
+by default: ``stock:llama-hybrid:1:1:64:32``]) a prefill and a decode ``vllm serve``
 start on this machine's two cores (vLLM's CPU build runs TP=2 as one worker per core), a few
 greedy prompts (one block, several blocks) run P/D, and each answer is compared with both
 engines answering alone. Outcome per case: ``served`` (every P/D answer equals one engine's
@@ -59,8 +60,8 @@ MORE_PROMPTS = [
 ERROR_LINE = re.compile(r"(Error|error|refus|mismatch|not supported)[^\n]{0,300}")
 
 
-def _spec(model: Path, role: str, tp: int, connector: str) -> EngineSpec:
-    args = ["--enforce-eager", "--max-model-len", "1024", "--block-size", "64"]
+def _spec(model: Path, role: str, tp: int, connector: str, block_size: int = 64) -> EngineSpec:
+    args = ["--enforce-eager", "--max-model-len", "1024", "--block-size", str(block_size)]
     spec = EngineSpec(
         model=str(model), port=free_port(), role=role, connector=connector,
         side_channel_port=free_side_channel_port(), extra_args=args,
@@ -87,18 +88,33 @@ def _answer(choice: dict) -> list[int] | str:
     return choice.get("token_ids") or choice["text"]
 
 
+def _divergence(pd: list[int] | str, alone: list[int] | str, choice: dict) -> dict[str, Any]:
+    """Where a P/D answer first leaves the prefill engine's own, and how close that engine's
+    top two candidates were there (a gap near 0 is a numeric near tie, not a wrong read)."""
+    if pd == alone or isinstance(pd, str) or isinstance(alone, str):
+        return {}
+    index = next((i for i, (a, b) in enumerate(zip(pd, alone, strict=False)) if a != b), None)
+    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    if index is None or index >= len(tops) or len(tops[index]) < 2:
+        return {"first_difference": index}
+    best, second = sorted(tops[index].values(), reverse=True)[:2]
+    return {"first_difference": index, "prefill_alone_top2_gap": round(best - second, 5)}
+
+
 def run_case(
     case: str, models: dict[str, Path], max_tokens: int, logs: Path, prompts: list[str]
 ) -> dict[str, Any]:
-    who, model_name, p_tp, d_tp = case.split(":")
+    who, model_name, p_tp, d_tp, *blocks = case.split(":")
+    p_block, d_block = (int(b) for b in blocks) if blocks else (64, 64)
     connector = CONNECTORS[who]
     specs = [
-        _spec(models[model_name], "prefill", int(p_tp), connector),
-        _spec(models[model_name], "decode", int(d_tp), connector),
+        _spec(models[model_name], "prefill", int(p_tp), connector, p_block),
+        _spec(models[model_name], "decode", int(d_tp), connector, d_block),
     ]
     engines = [EngineProcess(s, logs / f"{case.replace(':', '-')}-{s.role}.log") for s in specs]
     result: dict[str, Any] = {"case": case, "connector": connector, "model": model_name}
     result.update(prefill_tp=int(p_tp), decode_tp=int(d_tp), answers=[])
+    result.update(prefill_block_size=p_block, decode_block_size=d_block)
     started = time.monotonic()
     try:
         for engine in engines:
@@ -114,11 +130,12 @@ def run_case(
                 body = {"model": str(models[model_name]), "prompt": prompt}
                 body.update(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 body["return_token_ids"] = True
-                alone = [
-                    _answer(client.post(f"{e.spec.url}/v1/completions", json=body).json()
-                            ["choices"][0])
+                alone_choices = [
+                    client.post(f"{e.spec.url}/v1/completions", json={**body, "logprobs": 2})
+                    .json()["choices"][0]
                     for e in engines
                 ]  # fmt: skip
+                alone = [_answer(choice) for choice in alone_choices]
                 before = read_kv_transfer_counters(engines[1].spec.url, client)
                 try:
                     done = disaggregated_completion(
@@ -141,6 +158,7 @@ def run_case(
                         "equals_decode_alone": pd == alone[1],
                         "engines_alone_agree": alone[0] == alone[1],
                         "nixl_bytes": moved.nixl_bytes,
+                        **_divergence(pd, alone[0], alone_choices[0]),
                     }
                 )
         same = all(a["equals_prefill_alone"] or a["equals_decode_alone"] for a in result["answers"])
@@ -160,7 +178,9 @@ def main() -> int:
     parser.add_argument("--more-prompts", action="store_true", help="5 more prompts a case")
     parser.add_argument("--out", type=Path, default=RESULTS / "hetero_tp.json")
     args = parser.parse_args()
-    results = []
+    # Cases measured before and not rerun now are kept (the file is the table's source).
+    kept = json.loads(args.out.read_text())["cases"] if args.out.exists() else []
+    results = {item["case"]: item for item in kept}
     with tempfile.TemporaryDirectory() as raw:
         tmp = Path(raw)
         names = {case.split(":")[1] for case in args.cases}
@@ -170,10 +190,10 @@ def main() -> int:
             prompts = PROMPTS + (MORE_PROMPTS if args.more_prompts else [])
             result = run_case(case, models, args.max_tokens, tmp, prompts)
             print(f"  {result['outcome']}: {result.get('why', '')}", file=sys.stderr, flush=True)
-            results.append(result)
+            results[case] = result
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"cases": results}, indent=2) + "\n")
-    for r in results:
+            args.out.write_text(json.dumps({"cases": list(results.values())}, indent=2) + "\n")
+    for r in results.values():
         print(f"{r['case']:>28}: {r['outcome']} {r.get('why', '')[:160]}")
     return 0
 

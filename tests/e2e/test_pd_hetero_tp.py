@@ -1,24 +1,23 @@
 """Heterogeneous tensor parallelism through real engines: a TP=1 prefill engine and a TP=2
 decode engine (vLLM's CPU build runs TP=2 as two worker processes, one per core).
 
-Plain model: stock NIXL supports this, and so do we: ``check``, the router's pairing and the
-engines all accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
+Plain model: stock NIXL supports this, and so do we: the router's pairing and the engines
+accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
 KV read over NIXL by both decode ranks. Mamba2 hybrid whose B/C groups split over TP 2
 (n_groups 2): served the same way, each decode rank verifying the prefill's per-rank layout.
 Mamba2 hybrid with one B/C group, which TP 2 replicates on both ranks (stock NIXL answers it
-with wrong tokens): ``check``, the router and the decode engine all refuse it by name.
+with wrong tokens): the router and the decode engine refuse it by name. ``check`` gives the
+same verdicts for the same models (``tests/integration/test_check.py``, a dry run without
+engines: here it cost a minute per pair beside running engines).
 
 Two cores for three processes: the decode ranks' busy-polling NIXL progress threads, although
 at idle priority, slowed a normal process sharing their core 18-170x on this VM (measured: a
 2 s CPU probe took 33 s beside one, 312 s beside two). The prefill engine shares core 0 with
 decode rank 0, so its lease service can answer late: the decode engine here waits 30 s for it
-(``lease_check_timeout``; 2 s by default), and ``check`` runs before the engines start."""
+(``lease_check_timeout``; 2 s by default)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, run_pd_and_colocated, start_pair
-from vllm_hybrid_nixl.deploy.mamba_defaults import mamba_engine_args, set_mamba_environment
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
@@ -62,27 +60,6 @@ def pairing_problem(pair: PdPair) -> str:
     return table.problem(pool.prefill[0], pool.decode[0])
 
 
-def check_text(model: Path) -> tuple[int, str]:
-    """`vllm-hybrid-nixl check` TP=1 against TP=2, in its own process, with what our launchers
-    give a Mamba engine (prefix caching off, the DS conv-state layout): a dry run in this one
-    would let vLLM's CPU platform write its Mamba conv-state default into our environment,
-    which the Mamba engines of later tests would inherit."""
-    base = f"--model {model} --max-model-len 1024 --block-size 64"
-    base = " ".join([base, *mamba_engine_args(str(model), [])])
-    env = dict(os.environ)
-    set_mamba_environment(str(model), env)
-    cli = Path(sys.executable).with_name("vllm-hybrid-nixl")
-    done = subprocess.run(
-        [
-            str(cli), "check",
-            "--prefill-args", f"{base} --tensor-parallel-size 1",
-            "--decode-args", f"{base} --tensor-parallel-size 2",
-        ],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    return done.returncode, done.stdout + done.stderr
-
-
 def warm_up(pair: PdPair, attempts: int = 3) -> None:
     """Requests until one moves its KV without a failed transfer. Three processes on two
     cores: the first handshake between the engines can miss vLLM's 5 s side-channel read
@@ -104,21 +81,17 @@ def warm_up(pair: PdPair, attempts: int = 3) -> None:
 @dataclass
 class PlainCase:
     pair: PdPair
-    check: tuple[int, str]  # `check` on the same model, run before the engines started
 
 
 @pytest.fixture(scope="module")
 def plain_case(tmp_path_factory) -> Iterator[PlainCase]:
     model = build_tiny_model(tmp_path_factory.mktemp("tp-llama"), TinyModelSpec(arch="llama"))
-    check = check_text(model)
     for pair in start_hetero_pair(model, tmp_path_factory.mktemp("tp-plain-logs")):
         warm_up(pair)
-        yield PlainCase(pair, check)
+        yield PlainCase(pair)
 
 
 def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: PlainCase) -> None:
-    code, text = plain_case.check
-    assert code == 0, text
     plain_pair = plain_case.pair
     assert pairing_problem(plain_pair) == ""
     for prompt in PROMPTS:
@@ -139,9 +112,6 @@ def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
         engine.stop()  # two cores: the hybrid pair needs them
     spec = TinyModelSpec(arch="nemotron-h", mamba_groups=2)
     model = build_tiny_model(tmp_path_factory.mktemp("tp-nemotron-g2"), spec)
-    code, text = check_text(model)
-    assert code == 0, text
-    assert "split over TP 1 and 2" in text
     pair_iter = start_hetero_pair(model, tmp_path_factory.mktemp("tp-mamba-logs"))
     pair = next(pair_iter)
     try:
@@ -161,15 +131,11 @@ def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
         pair_iter.close()
 
 
-def test_mamba_hybrid_with_replicated_state_is_refused_by_check_router_and_engine(
+def test_mamba_hybrid_with_replicated_state_is_refused_by_router_and_engine(
     plain_case: PlainCase, tiny_mamba_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """One B/C group over decode TP 2: vLLM replicates it on both ranks, and stock NIXL reads
     it at the wrong offsets (HTTP 200, wrong tokens for 3 of 3 prompts, bench/hetero_tp.py)."""
-    code, text = check_text(tiny_mamba_model)
-    assert code == 1, text
-    assert "heterogeneous tensor parallelism (prefill TP 1, decode TP 2)" in text
-    assert "n_groups is not divisible by TP" in text
     pair_iter = start_hetero_pair(tiny_mamba_model, tmp_path_factory.mktemp("tp-refused-logs"))
     pair = next(pair_iter)
     try:

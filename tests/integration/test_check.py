@@ -135,12 +135,13 @@ def test_heterogeneous_tp_on_a_plain_model_gets_one_fingerprint(tmp_path: Path) 
 
 
 def test_heterogeneous_tp_on_a_hybrid_model_is_judged_by_its_splits(
-    tiny_hybrid_model: Path, tmp_path: Path
+    tiny_hybrid_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The dry run holds each side's per-rank layout (KV heads and Mamba state at its own TP):
     a sliding-window hybrid whose 2 KV heads split over TP 2 passes, with half the page per
-    rank; a Mamba2 hybrid with one B/C group, which vLLM replicates on each TP 2 rank, is
-    refused naming the state and what to change."""
+    rank; so does a Mamba2 hybrid with two B/C groups; one with one B/C group, which vLLM
+    replicates on each TP 2 rank, is refused naming the state and what to change. The same
+    verdicts as the engines in tests/e2e/test_pd_hetero_tp.py."""
     code, text = check(
         [*base(tiny_hybrid_model), "--tensor-parallel-size", "1"],
         [*base(tiny_hybrid_model), "--tensor-parallel-size", "2"],
@@ -150,6 +151,17 @@ def test_heterogeneous_tp_on_a_hybrid_model_is_judged_by_its_splits(
     page_row = next(line for line in text.splitlines() if line.startswith("groups[0].page_bytes"))
     prefill_page, decode_page = (int(value) for value in page_row.split()[1:3])
     assert prefill_page == 2 * decode_page
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # as our launchers set it
+    two_groups = build_tiny_model(
+        tmp_path / "nemotron-h-g2", TinyModelSpec(arch="nemotron-h", mamba_groups=2)
+    )
+    mamba = [*base(two_groups), "--no-enable-prefix-caching"]
+    code, text = check(
+        [*mamba, "--tensor-parallel-size", "1"], [*mamba, "--tensor-parallel-size", "2"]
+    )
+    assert code == 0, text  # B/C groups split over TP 2: the pair tests/e2e serves
+    assert "split over TP 1 and 2" in text
 
     one_group = build_tiny_model(tmp_path / "nemotron-h", TinyModelSpec(arch="nemotron-h"))
     mamba = [*base(one_group), "--no-enable-prefix-caching"]
