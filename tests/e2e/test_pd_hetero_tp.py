@@ -25,7 +25,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_fixture import COMMON_ARGS, PdPair, run_pd_and_colocated, start_pair
+from tests.e2e.pd_fixture import (
+    COMMON_ARGS,
+    PdPair,
+    PdVersusColocated,
+    run_pd_and_colocated,
+    start_pair,
+)
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
@@ -60,10 +66,11 @@ def pairing_problem(pair: PdPair) -> str:
     return table.problem(pool.prefill[0], pool.decode[0])
 
 
-def warm_up(pair: PdPair, attempts: int = 3) -> None:
-    """Requests until one moves its KV without a failed transfer. Three processes on two
-    cores: the first handshake between the engines can miss vLLM's 5 s side-channel read
-    (seen in CI); vLLM handshakes again on the next request."""
+def warm_up(pair: PdPair, attempts: int = 3) -> PdVersusColocated:
+    """Requests the short prompt until one moves its KV without a failed transfer, and
+    returns that run. Three processes on two cores: the first handshake between the engines
+    can miss vLLM's 5 s side-channel read (seen in CI); vLLM handshakes again on the next
+    request."""
     body = {"model": pair.model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
     outcomes = []
     for _ in range(attempts):
@@ -73,7 +80,7 @@ def warm_up(pair: PdPair, attempts: int = 3) -> None:
             outcomes.append(str(exc))
             continue
         if run.moved.failed_transfers == 0 and run.moved.nixl_bytes > 0:
-            return
+            return run
         outcomes.append(str(run.moved))
     pytest.fail(f"no clean KV transfer in {attempts} warm-up requests: {outcomes}")
 
@@ -115,9 +122,12 @@ def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
     pair_iter = start_hetero_pair(model, tmp_path_factory.mktemp("tp-mamba-logs"))
     pair = next(pair_iter)
     try:
-        warm_up(pair)
+        short = warm_up(pair)
+        assert short.pd_choice["text"] == short.colocated_choice["text"]
         assert pairing_problem(pair) == ""
-        for prompt in PROMPTS:
+        # the long prompt (11 blocks' worth of words); the short one went P/D in the warm-up
+        # (three processes on two cores make every request here slow)
+        for prompt in PROMPTS[1:]:
             body = {"model": pair.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
             run = run_pd_and_colocated(pair, body)
             assert run.pd_choice["text"] == run.colocated_choice["text"], prompt
