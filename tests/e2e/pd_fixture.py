@@ -39,8 +39,11 @@ class PdPair:
     model: str
 
 
-def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Iterator[PdPair]:
-    """Start both engines (own process groups), yield when healthy, stop them by PID."""
+def start_pair(
+    model: Path, log_dir: Path, prefill: dict, decode: dict, decode_first: bool = False
+) -> Iterator[PdPair]:
+    """Start both engines (own process groups), yield when healthy, stop them by PID.
+    ``decode_first``: the decode engine healthy before the prefill engine starts."""
     engines = []
     for role, core, overrides in (("prefill", 0, prefill), ("decode", 1, decode)):
         spec = EngineSpec(
@@ -52,10 +55,12 @@ def start_pair(model: Path, log_dir: Path, prefill: dict, decode: dict) -> Itera
         )
         engines.append(EngineProcess(spec, log_dir / f"{role}.log"))
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy(timeout_s=420)
+        waves = [[engines[1]], [engines[0]]] if decode_first else [engines]
+        for wave in waves:
+            for engine in wave:
+                engine.start()
+            for engine in wave:
+                engine.wait_healthy(timeout_s=420)
         yield PdPair(engines[0], engines[1], str(model))
     finally:
         for engine in engines:

@@ -139,7 +139,8 @@ def test_heterogeneous_tp_on_a_hybrid_model_is_judged_by_its_splits(
 ) -> None:
     """The dry run holds each side's per-rank layout (KV heads and Mamba state at its own TP):
     a sliding-window hybrid whose 2 KV heads split over TP 2 passes, with half the page per
-    rank; so does a Mamba2 hybrid with two B/C groups; one with one B/C group, which vLLM
+    rank (and is refused the other way, into a smaller decode TP); so does a Mamba2 hybrid
+    with two B/C groups; one with one B/C group, which vLLM
     replicates on each TP 2 rank, is refused naming the state and what to change. The same
     verdicts as the engines in tests/e2e/test_pd_hetero_tp.py."""
     code, text = check(
@@ -151,6 +152,13 @@ def test_heterogeneous_tp_on_a_hybrid_model_is_judged_by_its_splits(
     page_row = next(line for line in text.splitlines() if line.startswith("groups[0].page_bytes"))
     prefill_page, decode_page = (int(value) for value in page_row.split()[1:3])
     assert prefill_page == 2 * decode_page
+    code, text = check(  # the other way: stock's smaller decode TP died on a Mamba hybrid
+        [*base(tiny_hybrid_model), "--tensor-parallel-size", "2"],
+        [*base(tiny_hybrid_model), "--tensor-parallel-size", "1"],
+    )
+    assert code == 1, text
+    assert "heterogeneous tensor parallelism (prefill TP 2, decode TP 1)" in text
+    assert "prefill TP 2 into a smaller decode TP 1 is not served" in text
 
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # as our launchers set it
     two_groups = build_tiny_model(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
+import json
+import zlib
 
 import pytest
 
@@ -67,6 +71,15 @@ def test_tampered_wire_string_is_rejected() -> None:
         decode(f"{prefix}:{digest}:{other}")
     with pytest.raises(ValueError, match="not a vllm-hybrid-nixl"):
         decode("hybrid-nixl/1:zz:not-base64!")
+    # a consistent digest over a field of the wrong type ("2" for 2) is refused too, so no
+    # comparison downstream (router, check, worker) meets a string where it does arithmetic
+    data = dataclasses.asdict(make())
+    data["tensor_parallel_size"] = "2"
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    packed = base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    with pytest.raises(ValueError, match="not a vllm-hybrid-nixl"):
+        decode(f"hybrid-nixl/1:{digest}:{packed}")
 
 
 def test_block_size_mismatch_names_every_group_field_with_both_values() -> None:
@@ -128,7 +141,7 @@ def test_tensor_parallel_sizes_are_judged_by_the_per_rank_splits() -> None:
     halved = [dataclasses.replace(g, page_bytes=g.page_bytes // 2) for g in sliding.groups]
     assert (
         differences(
-            sliding, dataclasses.replace(make(tensor_parallel_size=2), groups=tuple(halved))
+            dataclasses.replace(make(tensor_parallel_size=2), groups=tuple(halved)), sliding
         )
         == []
     )
@@ -138,9 +151,9 @@ def test_tensor_parallel_sizes_are_judged_by_the_per_rank_splits() -> None:
     message = mismatch_message(found, "decode", "prefill", "p")
     assert "n_groups is not divisible by TP" in message and "(3,160)" in message
 
-    found = differences(sliding, make(tensor_parallel_size=2))
+    found = differences(make(tensor_parallel_size=2), sliding)
     assert [item.field for item in found] == ["groups[0].page_bytes", "groups[1].page_bytes"]
-    assert "2 KV heads split over TP 1 and 2" in mismatch_message(found, "d", "p", "p")
+    assert "2 KV heads split over TP 2 and 1" in mismatch_message(found, "d", "p", "p")
 
     found = differences(mamba_hybrid(2), mamba_hybrid(3))
     assert [item.field for item in found] == ["tensor_parallel_size"]
@@ -154,12 +167,44 @@ def test_tensor_parallel_sizes_are_judged_by_the_per_rank_splits() -> None:
 
     wide = dataclasses.replace(make(tensor_parallel_size=4), groups=tuple(halved))
     narrow = dataclasses.replace(make(tensor_parallel_size=2), groups=tuple(halved))
-    found = differences(narrow, wide)  # a TP 4 prefill holds 2 KV heads replicated
-    assert [item.field for item in found] == ["tensor_parallel_size"]
-    assert "prefill engine's TP 4 replicates the model's 2 KV heads" in mismatch_message(
-        found, "d", "p", "p"
-    )
     assert differences(wide, narrow) == []  # a TP 4 decode reads each head whole on two ranks
+    for local, remote in ((narrow, wide), (mamba_hybrid(1), mamba_hybrid(2))):
+        found = differences(local, remote)  # a decode TP smaller than the prefill's
+        assert [item.field for item in found] == ["tensor_parallel_size"]
+        assert all(item.per_rank for item in found)
+        message = mismatch_message(found, "decode", "prefill", "p")
+        assert f"into a smaller decode TP {local.tensor_parallel_size}" in message, message
+    # the engine that reads (pull mode: the decode) handshakes, whatever its kv_role
+    assert differences(mamba_hybrid(2), mamba_hybrid(1), "prefill") != []
+
+    # a hybrid against a single-group layout: the groups differ, no TP advice (TP 0)
+    found = differences(mamba_hybrid(2), make(groups=1, tensor_parallel_size=0))
+    assert "tensor_parallel_size" not in {item.field for item in found}
+    assert "num_groups" in {item.field for item in found}
+
+    # state strings: strict form, one split dimension, hints by state kind
+    def with_state(tp: int, state: str) -> LayoutFingerprint:
+        hybrid = mamba_hybrid(tp)
+        mamba = dataclasses.replace(hybrid.groups[1], state=state)
+        return dataclasses.replace(hybrid, groups=(hybrid.groups[0], mamba))
+
+    cases = {
+        "unparsed": ("mamba2 garbage float32", "mamba2 garbage float32", "cannot be compared"),
+        "conv layout SD vs DS": (
+            "mamba2 (160,3)+(4,32,16) float32+float32",
+            "mamba2 (3,320)+(8,32,16) float32+float32",
+            "n_groups",
+        ),
+        "replicated": ("gdn (4,32,32) float32", "gdn (4,32,32) float32", "heads do not divide"),
+        "two dims split": ("gdn (2,16,32) float32", "gdn (4,32,32) float32", "gdn state"),
+        "dtype count": ("gdn (2,32,32) float32+float16", "gdn (4,32,32) float32", "compared"),
+    }
+    for name, (decode_state, prefill_state, said) in cases.items():
+        found = differences(with_state(2, decode_state), with_state(1, prefill_state))
+        assert [item.field for item in found] == ["groups[1].state"], name
+        assert said in mismatch_message(found, "d", "p", "p"), name
+    split = with_state(2, "gdn (2,32,32) float32"), with_state(1, "gdn (4,32,32) float32")
+    assert differences(*split) == []
 
 
 def test_group_count_difference_is_named() -> None:

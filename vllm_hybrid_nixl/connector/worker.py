@@ -443,10 +443,10 @@ class HybridRegistrationMixin:
         return the peer's string when it is ours and compatible but not equal to our own
         (a hybrid peer of another TP size), else None."""
         worker: Any = self
+        # The engine that handshakes is the one that moves the KV: the reader (decode) in
+        # pull mode, the writer (prefill) in push mode, whatever its kv_role (kv_both too).
         local_role, remote_role = (
-            ("decode", "prefill")
-            if worker.kv_transfer_config.kv_role == "kv_consumer"
-            else ("prefill", "decode")
+            ("decode", "prefill") if self.transfer_mode == "pull" else ("prefill", "decode")
         )
         where = f"{engine_id} ({host}:{port})"
         wire = self._read_peer_compat_string(host, port, where)
@@ -473,16 +473,17 @@ class HybridRegistrationMixin:
             verdict.remote is not None
             and verdict.remote.tensor_parallel_size
             and remote_tp_size is not None
-            and verdict.remote.tensor_parallel_size != remote_tp_size
+            # the sender's scheduler sends max(TP, decode context parallel size)
+            and verdict.remote.tensor_parallel_size > remote_tp_size
         ):
             error = LayoutMismatchError(
                 f"vllm-hybrid-nixl refused KV transfer with {remote_role} engine {where}: its "
                 f"layout fingerprint says tensor-parallel size "
                 f"{verdict.remote.tensor_parallel_size}, but the request's transfer parameters "
-                f"say {remote_tp_size}; the request came from another engine than the one "
-                "answering on that side channel. What to change: give every engine its own "
-                "VLLM_NIXL_SIDE_CHANNEL_PORT and route each request to the engine that "
-                "prefilled it."
+                f"say {remote_tp_size} (at least its TP size); the request came from another "
+                "engine than the one answering on that side channel. What to change: give "
+                "every engine its own VLLM_NIXL_SIDE_CHANNEL_PORT and route each request to "
+                "the engine that prefilled it."
             )
         if error is not None:
             logger.error("%s", error)

@@ -173,7 +173,7 @@ def compare(prefill: SideReport, decode: SideReport) -> CheckReport:
             "with wrong tokens or fails; ours refuses at handshake"
         )
     tp_sizes = (prefill.fingerprint.tensor_parallel_size, decode.fingerprint.tensor_parallel_size)
-    if found and prefill.fingerprint.is_hybrid and tp_sizes[0] != tp_sizes[1]:
+    if any(item.per_rank for item in found):
         problems.append(
             f"heterogeneous tensor parallelism (prefill TP {tp_sizes[0]}, decode TP "
             f"{tp_sizes[1]}): this hybrid model's KV cannot move between these TP sizes "

@@ -84,19 +84,21 @@ def kv_cache_setup(
 def as_each_rank_holds_them(vllm_config: Any, model_cls: type, specs: dict[str, Any]) -> dict:
     """The dry run builds the model at TP 1 (one process); an engine at TP n holds per-rank
     KV heads and Mamba state shapes. Rescale the specs as vLLM's layers would at TP n: KV heads
-    from the model config's own per-rank count, Mamba state shapes from the model class's
+    per layer as vLLM's attention layers split them, Mamba state shapes from the model class's
     TP-aware shape function (the padded page and block size already come from TP n)."""
     parallel_config = vllm_config.parallel_config
     if int(parallel_config.tensor_parallel_size) == 1:
         return specs
-    heads = int(vllm_config.model_config.get_num_kv_heads(parallel_config))
+    tp = int(parallel_config.tensor_parallel_size)
     shapes_of = getattr(model_cls, "get_mamba_state_shape_from_config", None)
     mamba_shapes = None
     scaled = {}
     for name, spec in specs.items():
         if hasattr(spec, "num_kv_heads"):
-            spec = dataclasses.replace(spec, num_kv_heads=min(int(spec.num_kv_heads), heads))
-        elif hasattr(spec, "shapes") and shapes_of is not None:
+            # each layer's own head count (models may vary it per layer), split as vLLM's
+            # attention layers split it: replicated once TP exceeds the heads
+            spec = dataclasses.replace(spec, num_kv_heads=max(1, int(spec.num_kv_heads) // tp))
+        elif hasattr(spec, "shapes") and shapes_of is not None and not _replicated(spec):
             if mamba_shapes is None:
                 mamba_shapes = tuple(tuple(int(d) for d in s) for s in shapes_of(vllm_config))
             if len(mamba_shapes) < len(spec.shapes):
@@ -108,3 +110,8 @@ def as_each_rank_holds_them(vllm_config: Any, model_cls: type, specs: dict[str, 
             spec = dataclasses.replace(spec, shapes=mamba_shapes[: len(spec.shapes)])
         scaled[name] = spec
     return scaled
+
+
+def _replicated(spec: Any) -> bool:
+    """A state every rank holds whole (vLLM's ``MambaSpec.tp_replicated``): not rescaled."""
+    return bool(getattr(spec, "tp_replicated", False))

@@ -21,6 +21,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from vllm_hybrid_nixl.protocol.tp_split import PER_RANK_GROUP_FIELDS, split_problems
 
 PROTOCOL_VERSION = 1
@@ -133,11 +135,6 @@ class LayoutFingerprint:
         packed = base64.urlsafe_b64encode(zlib.compress(self.canonical_json().encode(), 9))
         return f"{WIRE_PREFIX}{self.protocol}:{self.digest()}:{packed.decode()}"
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LayoutFingerprint:
-        groups = tuple(GroupFingerprint(**group) for group in data.get("groups", ()))
-        return cls(**{**data, "groups": groups})
-
 
 @dataclass(frozen=True)
 class Difference:
@@ -146,6 +143,8 @@ class Difference:
     remote: Any
     #: What to change, where the field's usual hint does not say it.
     hint: str = ""
+    #: Found by the per-rank rule for hybrid pairs of different TP sizes.
+    per_rank: bool = False
 
 
 @dataclass
@@ -162,12 +161,16 @@ def is_ours(wire: str) -> bool:
     return wire.startswith(WIRE_PREFIX)
 
 
+_WIRE_SCHEMA = TypeAdapter(LayoutFingerprint)
+
+
 def decode(wire: str) -> LayoutFingerprint:
-    """Parse a handshake string written by :meth:`LayoutFingerprint.encode`."""
+    """Parse a handshake string written by :meth:`LayoutFingerprint.encode`; every field must
+    have its declared type (strict: no "2" for 2), so comparisons never meet a wrong type."""
     try:
         prefix, digest, packed = wire.split(":", 2)
-        data = json.loads(zlib.decompress(base64.urlsafe_b64decode(packed.encode())))
-        fingerprint = LayoutFingerprint.from_dict(data)
+        raw = zlib.decompress(base64.urlsafe_b64decode(packed.encode()))
+        fingerprint = _WIRE_SCHEMA.validate_json(raw, strict=True)
     except (ValueError, TypeError, zlib.error) as exc:
         raise ValueError(f"not a vllm-hybrid-nixl layout fingerprint: {wire[:80]!r}") from exc
     if fingerprint.digest() != digest:
@@ -199,6 +202,9 @@ def differences(
         return [item for item in found if item.field != "tensor_parallel_size"]
     if local.tensor_parallel_size == remote.tensor_parallel_size:
         return found
+    if not (local.is_hybrid and remote.is_hybrid):
+        # a hybrid against a single-group layout: the group fields say what differs
+        return [item for item in found if item.field != "tensor_parallel_size"]
     per_rank = {"tensor_parallel_size"} | {
         f"groups[{index}].{name}"
         for index in range(max(len(local.groups), len(remote.groups)))
@@ -215,7 +221,7 @@ def differences(
         remote_groups=[asdict(group) for group in remote.groups],
     )
     return [
-        *(Difference(p.field, p.local, p.remote, p.hint) for p in problems),
+        *(Difference(p.field, p.local, p.remote, p.hint, per_rank=True) for p in problems),
         *found,
     ]
 

@@ -5,20 +5,20 @@ group's page bytes, each Mamba state tensor's per-rank shape). Between different
 differ by design; what must hold instead is that every rank holds an exact slice of the same
 global layout, because vLLM's NIXL worker cuts each remote rank's bytes by that assumption:
 
-- the TP sizes divide each other, and the pair runs the pull (READ) connector;
-- a prefill TP larger than the decode TP has no more ranks than the model has KV heads (vLLM's
-  NIXL cannot read replicated heads into a smaller TP; into a larger decode TP it reads the
-  replicated head whole on each rank), and an attention group's per-rank page is the same
-  bytes per KV head on both sides (where no Mamba group pads the pages);
-- a Mamba / linear-attention state tensor has the same kind, rank and dtype on both sides, and
-  per-rank elements x TP equal: a state that vLLM replicates on one side only (Mamba2 with
-  ``n_groups`` not divisible by TP pads B/C groups per rank) breaks this, and stock NIXL reads
-  it at the wrong offsets (measured: HTTP 200 with wrong tokens).
+- the TP sizes divide each other, the pair runs the pull (READ) connector, and the decode TP
+  is at least the prefill TP (vLLM's NIXL claims both directions for Mamba; stock vLLM 0.32's
+  TP 1 decode engine died reading a TP 2 prefill's hybrid KV, so that direction is refused
+  until it has run); an attention group's per-rank page is the same bytes per KV head on both
+  sides (where no Mamba group pads the pages);
+- a Mamba / linear-attention state tensor has the same kind, rank and dtype on both sides, all
+  dimensions equal but at most one, and that one split exactly (per-rank size x TP equal): a
+  state that vLLM replicates on one side only (Mamba2 with ``n_groups`` not divisible by TP
+  pads B/C groups per rank) breaks this, and stock NIXL reads it at the wrong offsets
+  (measured: HTTP 200 with wrong tokens).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -49,16 +49,38 @@ class StateTensors:
 
     @classmethod
     def parse(cls, text: str) -> StateTensors | None:
-        parts = text.split(" ")
-        if len(parts) != 3:
+        """None unless ``text`` is exactly ``kind (d,..)+(d,..) dtype+dtype`` with one dtype
+        per shape."""
+        match = _STATE_PATTERN.fullmatch(text)
+        if match is None:
             return None
-        kind, shapes, dtypes = parts
-        found = re.findall(r"\(([\d,]*)\)", shapes)
-        return cls(
-            kind=kind,
-            shapes=tuple(tuple(int(d) for d in item.split(",") if d) for item in found),
-            dtypes=tuple(dtypes.split("+")),
+        kind, shapes, dtypes = match.groups()
+        found = tuple(
+            tuple(int(d) for d in item.split(",")) for item in re.findall(r"\(([\d,]+)\)", shapes)
         )
+        names = tuple(dtypes.split("+"))
+        if len(found) != len(names):
+            return None
+        return cls(kind=kind, shapes=found, dtypes=names)
+
+
+_SHAPE = r"\(\d+(?:,\d+)*\)"
+_STATE_PATTERN = re.compile(rf"(\S+) ({_SHAPE}(?:\+{_SHAPE})*) ([\w.]+(?:\+[\w.]+)*)")
+
+
+def _splits_exactly(
+    own: tuple[int, ...], other: tuple[int, ...], tp_own: int, tp_other: int
+) -> bool:
+    """Same rank, all dimensions equal but at most one, that one an exact split."""
+    if len(own) != len(other):
+        return False
+    differing = [(a, b) for a, b in zip(own, other, strict=True) if a != b]
+    if not differing:
+        return tp_own == tp_other  # a state replicated on every rank is not a slice
+    if len(differing) > 1:
+        return False
+    ((a, b),) = differing
+    return a * tp_own == b * tp_other
 
 
 def _state_problem(
@@ -67,27 +89,43 @@ def _state_problem(
     mine, theirs = StateTensors.parse(local), StateTensors.parse(remote)
     name = f"groups[{index}].state"
     if mine is None or theirs is None:
-        return None if local == remote else SplitProblem(name, local, remote, _STATE_HINT)
+        return SplitProblem(
+            name,
+            local,
+            remote,
+            "this state description cannot be compared across TP sizes; "
+            + SAME_TP_HINT.removeprefix("or "),
+        )
     if mine.kind != theirs.kind or mine.dtypes != theirs.dtypes:
         return SplitProblem(name, local, remote, _STATE_KIND_HINT)
-    if [len(s) for s in mine.shapes] != [len(s) for s in theirs.shapes]:
-        return SplitProblem(name, local, remote, _STATE_HINT)
-    for own, other in zip(mine.shapes, theirs.shapes, strict=True):
-        if math.prod(own) * tp_local != math.prod(other) * tp_remote:
-            return SplitProblem(name, local, remote, _STATE_HINT)
+    if len(mine.shapes) != len(theirs.shapes) or not all(
+        _splits_exactly(own, other, tp_local, tp_remote)
+        for own, other in zip(mine.shapes, theirs.shapes, strict=True)
+    ):
+        return SplitProblem(name, local, remote, _state_hint(mine.kind))
     return None
 
 
-_STATE_HINT = (
-    "the Mamba state does not split evenly over both TP sizes (vLLM replicates a Mamba2 "
-    "model's B/C groups on each rank when n_groups is not divisible by TP, and NIXL would read "
-    "them at the wrong offsets); use TP sizes that divide the model's n_groups and state heads, "
-    + SAME_TP_HINT
-)
 _STATE_KIND_HINT = (
     "give both engines the same --mamba-ssm-cache-dtype, --mamba-cache-dtype and "
     "VLLM_SSM_CONV_STATE_LAYOUT (DS)"
 )
+
+
+def _state_hint(kind: str) -> str:
+    why = (
+        "vLLM replicates a Mamba2 model's B/C groups on each rank when n_groups is not "
+        "divisible by TP"
+        if kind == "mamba2"
+        else "vLLM replicates a state on each rank when its heads do not divide over TP"
+    )
+    return (
+        f"the {kind} state does not split evenly over both TP sizes ({why}, and NIXL would "
+        "read it at the wrong offsets); use TP sizes that divide the model's state heads"
+        + (" and n_groups" if kind == "mamba2" else "")
+        + ", "
+        + SAME_TP_HINT
+    )
 
 
 def _attention_problem(
@@ -148,19 +186,22 @@ def split_problems(
             )
         ]
     found: list[SplitProblem] = []
-    prefill_tp = local_tp if local_role == "prefill" else remote_tp
-    if prefill_tp == large and prefill_tp > kv_heads:
+    prefill_tp, decode_tp = (
+        (local_tp, remote_tp) if local_role == "prefill" else (remote_tp, local_tp)
+    )
+    if prefill_tp > decode_tp:
         found.append(
             SplitProblem(
                 "tensor_parallel_size",
                 local_tp,
                 remote_tp,
-                f"the prefill engine's TP {prefill_tp} replicates the model's {kv_heads} KV "
-                "heads (more ranks than heads), and vLLM's NIXL cannot read replicated heads "
-                f"into a smaller decode TP; use a prefill TP of at most {kv_heads}, a decode "
-                "TP at least the prefill's, " + SAME_TP_HINT,
+                f"a hybrid model's KV from prefill TP {prefill_tp} into a smaller decode TP "
+                f"{decode_tp} is not served (stock vLLM 0.32's TP 1 decode engine died reading "
+                "a TP 2 prefill's hybrid KV, NIXL_ERR_BACKEND); run the decode engine at a TP "
+                "at least the prefill's (a multiple of it), " + SAME_TP_HINT,
             )
         )
+        return found
     # With Mamba groups, vLLM pads the attention pages to the state's page (a padding that
     # does not scale with TP); the model-level fields (heads, head size, dtypes, block size)
     # are compared as they are, and vLLM's NIXL reads each remote page by its own length.
