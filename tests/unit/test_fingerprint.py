@@ -197,6 +197,11 @@ def test_tensor_parallel_sizes_are_judged_by_the_per_rank_splits() -> None:
         ),
         "replicated": ("gdn (4,32,32) float32", "gdn (4,32,32) float32", "heads do not divide"),
         "two dims split": ("gdn (2,16,32) float32", "gdn (4,32,32) float32", "gdn state"),
+        "huge dimension": (
+            "gdn (2,32," + "9" * 5000 + ") float32",
+            "gdn (4,32,32) float32",
+            "compared",
+        ),
         "dtype count": ("gdn (2,32,32) float32+float16", "gdn (4,32,32) float32", "compared"),
     }
     for name, (decode_state, prefill_state, said) in cases.items():

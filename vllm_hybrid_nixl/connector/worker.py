@@ -443,11 +443,13 @@ class HybridRegistrationMixin:
         return the peer's string when it is ours and compatible but not equal to our own
         (a hybrid peer of another TP size), else None."""
         worker: Any = self
-        # The engine that handshakes is the one that moves the KV: the reader (decode) in
-        # pull mode, the writer (prefill) in push mode, whatever its kv_role (kv_both too).
-        local_role, remote_role = (
-            ("decode", "prefill") if self.transfer_mode == "pull" else ("prefill", "decode")
+        # Pull mode: only the reader (the decode engine) handshakes, whatever its kv_role
+        # (kv_both too). Push mode: both sides handshake (the decode to send its
+        # registration), so there the kv_role says which side this is.
+        is_decode = (
+            self.transfer_mode == "pull" or worker.kv_transfer_config.kv_role == "kv_consumer"
         )
+        local_role, remote_role = ("decode", "prefill") if is_decode else ("prefill", "decode")
         where = f"{engine_id} ({host}:{port})"
         wire = self._read_peer_compat_string(host, port, where)
         verdict = compare_with_peer(self.layout_fingerprint, wire, local_role)

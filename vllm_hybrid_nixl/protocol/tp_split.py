@@ -56,7 +56,7 @@ class StateTensors:
             return None
         kind, shapes, dtypes = match.groups()
         found = tuple(
-            tuple(int(d) for d in item.split(",")) for item in re.findall(r"\(([\d,]+)\)", shapes)
+            tuple(int(d) for d in item.split(",")) for item in re.findall(r"\(([0-9,]+)\)", shapes)
         )
         names = tuple(dtypes.split("+"))
         if len(found) != len(names):
@@ -64,7 +64,7 @@ class StateTensors:
         return cls(kind=kind, shapes=found, dtypes=names)
 
 
-_SHAPE = r"\(\d+(?:,\d+)*\)"
+_SHAPE = r"\([0-9]{1,18}(?:,[0-9]{1,18})*\)"  # ASCII digits, within int64
 _STATE_PATTERN = re.compile(rf"(\S+) ({_SHAPE}(?:\+{_SHAPE})*) ([\w.]+(?:\+[\w.]+)*)")
 
 
