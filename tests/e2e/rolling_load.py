@@ -1,6 +1,14 @@
 """Clients that keep requests running through a router while engines restart, and the
 answers they must get (one engine's alone, token for token): shared by the rolling-restart
-tests of plain engines (``test_drain``) and of containers (``test_containers``)."""
+tests of plain engines (``test_drain``) and of containers (``test_containers``).
+
+One allowance, with evidence: under 32 clients the engines batch requests, and a batch sums
+in another order than a request alone, so logprobs move by a few thousandths of a nat. A
+random-weight model has near-uniform logits, so once in a while its two best candidates are
+closer than that and greedy picks the other one (seen in CI: one prompt's 24th token, 182
+instead of 91, the 23 before equal). An answer that first leaves the expected one at a token
+where the engine alone had its top two within ``NEAR_TIE`` is counted as right (and counted
+as a near tie); any other difference is a wrong answer."""
 
 from __future__ import annotations
 
@@ -18,6 +26,24 @@ MAX_TOKENS = 24
 REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this counts as hung
 FILLER = "the kv cache moves between engines "
 PROMPTS = [f"rolling restart {i}: " + FILLER * 4 * i for i in range(8)]
+NEAR_TIE = 0.03  # nats between the alone run's top two candidates (as tests/e2e/mamba_answers)
+
+
+class AloneAnswers(dict[str, list[int]]):
+    """Each prompt's token ids from one engine alone, and at each token the nats between that
+    engine's two best candidates (``gaps[prompt][i]``)."""
+
+    gaps: dict[str, list[float]]
+
+    def near_tie_at(self, prompt: str, tokens: list[int]) -> int | None:
+        """The token where ``tokens`` first leaves this prompt's answer, if that token was a
+        near tie for the engine alone (and the lengths agree); else None."""
+        expected = self[prompt]
+        if len(tokens) != len(expected):
+            return None
+        first = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
+        gaps = getattr(self, "gaps", {}).get(prompt) or []
+        return first if first < len(gaps) and gaps[first] < NEAR_TIE else None
 
 
 @dataclass
@@ -26,10 +52,11 @@ class Load:
 
     router_url: str
     model: str
-    expected: dict[str, list[int]]
+    expected: AloneAnswers
     headers: dict[str, str] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    near_ties: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -71,13 +98,18 @@ class Load:
         except httpx.HTTPError as exc:
             return "failed", repr(exc)
         if tokens != expected:
-            return "wrong", f"{prompt[:30]!r} (stream {stream}): {tokens} != {expected}"
+            at = self.expected.near_tie_at(prompt, tokens)
+            detail = f"{prompt[:30]!r} (stream {stream}): {tokens} != {expected}"
+            return ("near_tie", f"at token {at}: {detail}") if at is not None else ("wrong", detail)
         return "ok", ""
 
     def record(self, kind: str, problem: str) -> None:
         with self.lock:
             self.outcomes[kind] += 1
-            if problem:
+            if kind == "near_tie":  # a right answer (module docstring), kept for the log
+                self.outcomes["ok"] += 1
+                self.near_ties.append(problem)
+            elif problem:
                 self.problems.append(f"{kind}: {problem}")
 
     def answered(self) -> int:
@@ -101,13 +133,19 @@ def request_body(model: str, prompt: str) -> dict:
     return body
 
 
-def alone(
-    engine_url: str, model: str, headers: dict[str, str] | None = None
-) -> dict[str, list[int]]:
-    """Each prompt's token ids from one engine alone."""
+def alone(engine_url: str, model: str, headers: dict[str, str] | None = None) -> AloneAnswers:
+    """Each prompt's token ids from one engine alone, with its top-two gaps per token."""
+    answers = AloneAnswers()
+    answers.gaps = {}
     with httpx.Client(timeout=300.0, headers=headers or {}) as client:
-        answers = {
-            p: client.post(f"{engine_url}/v1/completions", json=request_body(model, p))
-            for p in PROMPTS
-        }
-    return {p: a.json()["choices"][0]["token_ids"] for p, a in answers.items()}
+        for prompt in PROMPTS:
+            body = {**request_body(model, prompt), "logprobs": 2}
+            choice = client.post(f"{engine_url}/v1/completions", json=body).json()["choices"][0]
+            answers[prompt] = choice["token_ids"]
+            answers.gaps[prompt] = [_top_two_gap(top) for top in choice["logprobs"]["top_logprobs"]]
+    return answers
+
+
+def _top_two_gap(top: dict[str, float]) -> float:
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
