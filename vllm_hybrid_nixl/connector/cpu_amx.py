@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import os
 import platform
 from enum import Enum
 
@@ -61,3 +63,13 @@ def request_amx_permission() -> AmxPermission:
     if error in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
         return AmxPermission.UNSUPPORTED
     return AmxPermission.REFUSED
+
+
+def ask_for_amx_tiles(logger: logging.Logger) -> None:
+    """:func:`request_amx_permission`, with a warning in ``logger`` when Linux refuses."""
+    if request_amx_permission() is AmxPermission.REFUSED:
+        logger.warning(
+            "vllm-hybrid-nixl: Linux refused AMX tile permission to process %d; vLLM's CPU "
+            "attention may die with SIGILL here",
+            os.getpid(),
+        )

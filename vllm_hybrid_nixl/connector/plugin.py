@@ -10,7 +10,6 @@ decode engine whose first step decodes received KV.
 from __future__ import annotations
 
 import logging
-import os
 
 from vllm_hybrid_nixl import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 
@@ -24,14 +23,9 @@ def register() -> None:
     """Register ``HybridNixlConnector`` and ``HybridNixlPushConnector`` with vLLM (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from vllm_hybrid_nixl.connector.cpu_amx import AmxPermission, request_amx_permission
+    from vllm_hybrid_nixl.connector.cpu_amx import ask_for_amx_tiles
 
-    if request_amx_permission() is AmxPermission.REFUSED:
-        logger.warning(
-            "vllm-hybrid-nixl: Linux refused AMX tile permission to process %d; vLLM's CPU "
-            "attention may die with SIGILL here",
-            os.getpid(),
-        )
+    ask_for_amx_tiles(logger)
 
     for name, class_name in CONNECTORS.items():
         if name in KVConnectorFactory._registry:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_hybrid_nixl.connector import compat, thread_priority
-from vllm_hybrid_nixl.connector.cpu_amx import AmxPermission, request_amx_permission
+from vllm_hybrid_nixl.connector.cpu_amx import ask_for_amx_tiles
 from vllm_hybrid_nixl.connector.digest_guard import DigestGuardMixin
 from vllm_hybrid_nixl.connector.kv_cache_facts import (
     describe_cache,
@@ -188,12 +188,7 @@ class HybridRegistrationMixin:
         # The plugin asks for AMX tile permission in every process it loads in; an engine
         # that names this connector by module path without the plugin (VLLM_PLUGINS set to
         # others) asks here, before its first step (seen: SIGILL in the push decode worker).
-        if request_amx_permission() is AmxPermission.REFUSED:
-            logger.warning(
-                "vllm-hybrid-nixl: Linux refused AMX tile permission to process %d; vLLM's "
-                "CPU attention may die with SIGILL here",
-                os.getpid(),
-            )
+        ask_for_amx_tiles(logger)
         compat.installed_vllm()  # read now (cached): the fingerprint needs it at registration
         kv_transfer_config = getattr(
             kwargs.get("vllm_config", args[0] if args else None), "kv_transfer_config", None

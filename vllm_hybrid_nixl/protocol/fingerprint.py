@@ -198,13 +198,11 @@ def differences(
     # difference (then it is a factor vLLM hashes that we do not spell out).
     if len(found) > 1:
         found = [item for item in found if item.field != "vllm_compat_hash"]
-    if not (local.is_hybrid or remote.is_hybrid):
+    if not (local.is_hybrid and remote.is_hybrid):
+        # single-group layouts carry TP 0; against a hybrid, the group fields say what differs
         return [item for item in found if item.field != "tensor_parallel_size"]
     if local.tensor_parallel_size == remote.tensor_parallel_size:
         return found
-    if not (local.is_hybrid and remote.is_hybrid):
-        # a hybrid against a single-group layout: the group fields say what differs
-        return [item for item in found if item.field != "tensor_parallel_size"]
     per_rank = {"tensor_parallel_size"} | {
         f"groups[{index}].{name}"
         for index in range(max(len(local.groups), len(remote.groups)))

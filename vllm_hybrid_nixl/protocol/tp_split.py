@@ -185,12 +185,11 @@ def split_problems(
                 + SAME_TP_HINT,
             )
         ]
-    found: list[SplitProblem] = []
     prefill_tp, decode_tp = (
         (local_tp, remote_tp) if local_role == "prefill" else (remote_tp, local_tp)
     )
     if prefill_tp > decode_tp:
-        found.append(
+        return [
             SplitProblem(
                 "tensor_parallel_size",
                 local_tp,
@@ -200,8 +199,8 @@ def split_problems(
                 "a TP 2 prefill's hybrid KV, NIXL_ERR_BACKEND); run the decode engine at a TP "
                 "at least the prefill's (a multiple of it), " + SAME_TP_HINT,
             )
-        )
-        return found
+        ]
+    found: list[SplitProblem] = []
     # With Mamba groups, vLLM pads the attention pages to the state's page (a padding that
     # does not scale with TP); the model-level fields (heads, head size, dtypes, block size)
     # are compared as they are, and vLLM's NIXL reads each remote page by its own length.
