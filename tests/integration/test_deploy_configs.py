@@ -5,6 +5,7 @@ No Docker engine runs here; what the image runs is tested outside it."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -206,18 +207,35 @@ def test_entry_point_sets_what_mamba_pd_needs(tmp_path: Path) -> None:
 @pytest.mark.cpu_build
 def test_the_entry_point_serves_eager_where_no_cpp_compiler_is_on_path(tmp_path) -> None:
     """vLLM's CPU build dies at start-up without a C++ compiler for torch.compile (measured
-    in the CPU image: InvalidCxxCompiler): the entry point adds --enforce-eager there, and
-    not where a compiler is on PATH or the flag is given."""
+    in the CPU image: InvalidCxxCompiler), and at the first request asking for logprobs
+    even with --enforce-eager (its sampler compiles a helper; seen in CI): the entry point
+    adds --enforce-eager and TORCH_COMPILE_DISABLE=1 there, and neither where a compiler is
+    on PATH. vLLM's own compiled logprob helper then runs without a compiler."""
     args = ["/models/m", "--port", "8100"]
     bare = {"PATH": str(tmp_path)}
-    argv, _ = container.plan(args, bare, CONTAINER_IP)
-    assert argv.count("--enforce-eager") == 1
-    argv, _ = container.plan([*args, "--enforce-eager"], bare, CONTAINER_IP)
-    assert argv.count("--enforce-eager") == 1
+    argv, env = container.plan(args, bare, CONTAINER_IP)
+    assert argv.count("--enforce-eager") == 1 and env["TORCH_COMPILE_DISABLE"] == "1"
+    argv, env = container.plan([*args, "--enforce-eager"], bare, CONTAINER_IP)
+    assert argv.count("--enforce-eager") == 1 and env["TORCH_COMPILE_DISABLE"] == "1"
+    helper = (
+        "import torch; from vllm.v1.sample.ops.logprobs import batched_count_greater_than as f; "
+        "x = torch.arange(6.0).reshape(2, 3); print(f(x, x[:, :1]).tolist())"
+    )
+    no_compiler = {**os.environ, "CXX": str(tmp_path / "no-such-g++")}
+    no_compiler["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    ranks = [
+        subprocess.run(
+            [sys.executable, "-c", helper], env=run_env, capture_output=True, text=True, timeout=300
+        )
+        for run_env in ({**no_compiler, **env}, no_compiler)
+    ]
+    assert ranks[0].returncode == 0, ranks[0].stderr[-2000:]
+    assert ranks[0].stdout.strip().splitlines()[-1] in ("[2, 2]", "[3, 3]")
+    assert ranks[1].returncode != 0  # the same call compiled: what killed the engine
     compiler = tmp_path / "g++"
     compiler.write_text("#!/bin/sh\n")
     compiler.chmod(0o755)
-    argv, _ = container.plan(args, bare, CONTAINER_IP)
-    assert "--enforce-eager" not in argv
-    argv, _ = container.plan(args, {**bare, "CXX": "clang++"}, CONTAINER_IP)
+    argv, env = container.plan(args, bare, CONTAINER_IP)
+    assert "--enforce-eager" not in argv and "TORCH_COMPILE_DISABLE" not in env
+    argv, env = container.plan(args, {**bare, "CXX": "clang++"}, CONTAINER_IP)
     assert "--enforce-eager" in argv  # $CXX names the compiler torch looks for

@@ -77,18 +77,22 @@ def _cpu_build_installed() -> bool:
     return True
 
 
-def eager_without_compiler(args: list[str], env: Mapping[str, str]) -> list[str]:
-    """``["--enforce-eager"]`` for vLLM's CPU build where no C++ compiler is on PATH (the
-    CPU image has none): its torch.compile warm-up needs one (``$CXX``, else ``g++``) and
-    the engine dies at start-up without it. Nothing when the flag is given or one exists."""
+def eager_without_compiler(args: list[str], env: dict[str, str]) -> list[str]:
+    """What vLLM's CPU build needs where no C++ compiler is on PATH (the CPU image has
+    none; torch looks for ``$CXX``, else ``g++``): ``["--enforce-eager"]`` unless given (its
+    torch.compile warm-up kills the engine at start-up) and ``TORCH_COMPILE_DISABLE=1`` in
+    ``env`` (vLLM compiles small helpers even when eager, e.g. the sampler's logprob ranks:
+    the first request asking for logprobs killed the engine). Nothing where one exists."""
     compiler = env.get("CXX") or "g++"
-    if _has_flag(args, "--enforce-eager") or not _cpu_build_installed():
+    if not _cpu_build_installed() or shutil.which(compiler, path=env.get("PATH")) is not None:
         return []
-    if shutil.which(compiler, path=env.get("PATH")) is not None:
+    env.setdefault("TORCH_COMPILE_DISABLE", "1")
+    if _has_flag(args, "--enforce-eager"):
         return []
     print(
         f"vllm-hybrid-nixl: no C++ compiler ({compiler}) in this image, which torch.compile "
-        "needs on CPU: serving with --enforce-eager (install one to compile)",
+        "needs on CPU: serving with --enforce-eager and TORCH_COMPILE_DISABLE=1 "
+        "(install one to compile)",
         file=sys.stderr,
     )
     return ["--enforce-eager"]
