@@ -519,6 +519,40 @@ def test_short_prompts_skip_the_prefill_hop_and_long_ones_do_not(
     assert_alive(stack)
 
 
+def test_a_prompt_mostly_cached_on_the_decode_engine_skips_the_prefill_hop(stack: Stack) -> None:
+    """Conditional disaggregation by cache: a long prompt goes P/D, and the decode engine
+    keeps its KV in its prefix cache; the same prompt grown by a few words then has fewer
+    than ``short_prompt_tokens`` left to prefill there, so it runs colocated on that engine
+    (``reason="cached_prefix"``: no prefill leg, no bytes over NIXL, the decode engine's own
+    prefix-cache hits grow). Both answers equal the prefill engine's alone."""
+    pool = BackendPool.from_urls([stack.pair.prefill.spec.url], [stack.pair.decode.spec.url])
+    decode_url = stack.pair.decode.spec.url
+    first = (A + B) * 2  # 924 characters: 231 tokens by the router's estimate
+    grown = first + "The tide turned."
+    with running_router(pool, settings=RouterSettings(short_prompt_tokens=64)) as url:
+        with httpx.Client(timeout=300) as client:
+            for prompt, cached in ((first, False), (grown, True)):
+                before = read_kv_transfer_counters(decode_url, client)
+                hits_before = metric_sum(decode_url, "vllm:prefix_cache_hits_total")
+                legs_before = metric_sum(url, "router_leg_requests_total", leg="prefill")
+                answer = client.post(f"{url}/v1/completions", json=body(stack.pair.model, prompt))
+                assert answer.status_code == 200, answer.text[:500]
+                assert answer.json()["choices"][0]["text"] == alone(stack, prompt), cached
+                moved = read_kv_transfer_counters(decode_url, client) - before
+                legs = metric_sum(url, "router_leg_requests_total", leg="prefill") - legs_before
+                hits = metric_sum(decode_url, "vllm:prefix_cache_hits_total") - hits_before
+                if cached:
+                    assert moved.nixl_bytes == 0 and legs == 0 and hits > 0, (moved, legs, hits)
+                else:
+                    assert moved.nixl_bytes > 0 and legs == 1, (moved, legs)
+        assert (
+            metric_sum(url, "router_policy_choices_total", role="colocated", reason="cached_prefix")
+            == 1
+        )
+        assert metric_sum(url, "router_policy_choices_total", role="colocated") == 1
+    assert_alive(stack)
+
+
 @pytest.mark.parametrize(
     ("extra", "status"),
     [

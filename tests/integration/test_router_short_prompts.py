@@ -1,6 +1,8 @@
-"""Conditional disaggregation's inputs: how long the router takes a prompt to be, and the
-setting that turns it on (``short_prompt_tokens``), from the router's command line and the
-Ray config's ``router:`` section. Its effect on real engines is in ``tests/e2e/test_integrity``."""
+"""Conditional disaggregation's inputs: how long the router takes a prompt to be, which
+prompt starts it thinks a decode engine holds (``PrefixMemory``, fed by vLLM's own
+``/metrics`` page), and the setting that turns it on (``short_prompt_tokens``), from the
+router's command line and the Ray config's ``router:`` section. Its effect on real engines
+is in ``tests/e2e/test_integrity``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import yaml
 from vllm_hybrid_nixl.cli import build_parser
 from vllm_hybrid_nixl.deploy.ray.config import ConfigError, load_config
 from vllm_hybrid_nixl.router.policy import BYTES_PER_TOKEN, prompt_tokens
+from vllm_hybrid_nixl.router.prefix_memory import CHUNK_TOKENS, PrefixMemory, prompt_chunks
+from vllm_hybrid_nixl.router.probes import prefix_caching_on
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
@@ -103,3 +107,83 @@ def test_a_setting_on_by_default_can_be_turned_off_from_the_command_line() -> No
     assert parser.parse_args(engines).colocated_fallback is None  # not given: the default
     assert parser.parse_args([*engines, "--no-colocated-fallback"]).colocated_fallback is False
     assert parser.parse_args([*engines, "--protect-probes"]).protect_probes is True
+
+
+CHUNK_TEXT = "x" * (CHUNK_TOKENS * BYTES_PER_TOKEN)  # one chunk of text
+
+
+def test_a_decode_engine_holds_the_prompt_starts_it_served_and_only_those() -> None:
+    """Chained chunk keys: an engine that served a prompt holds every full chunk of it, so a
+    prompt extending it is mostly cached there; a prompt differing in its first chunk, or
+    an engine that did not cache (or restarted), holds nothing of it."""
+    memory = PrefixMemory()
+    memory.engine_up("http://d1", caches_prefixes=True)
+    memory.engine_up("http://d2", caches_prefixes=True)
+    memory.engine_up("http://d3", caches_prefixes=False)
+    served = prompt_chunks({"prompt": CHUNK_TEXT * 3 + "tail"}, chat=False)
+    assert served is not None and len(served.keys) == 3
+    for url in ("http://d1", "http://d3"):
+        memory.remember(url, served)
+    longer = prompt_chunks({"prompt": CHUNK_TEXT * 4}, chat=False)
+    assert longer is not None
+    assert memory.best_engine(["http://d1", "http://d2", "http://d3"], longer) == (
+        "http://d1",
+        3 * CHUNK_TOKENS,
+    )
+    assert memory.cached_tokens("http://d3", longer) == 0  # prefix caching off there
+    other_start = prompt_chunks({"prompt": "y" + CHUNK_TEXT * 4}, chat=False)
+    assert other_start is not None and memory.best_engine(["http://d1"], other_start) == (None, 0)
+    tokens = prompt_chunks({"prompt": list(range(CHUNK_TOKENS * 2 + 5))}, chat=False)
+    assert tokens is not None and len(tokens.keys) == 2
+    assert prompt_chunks({"prompt": ["a", "b"]}, chat=False) is None  # a batch: not one prompt
+    assert prompt_chunks({"prompt_embeds": "AAAA", "prompt": CHUNK_TEXT}, chat=False) is None
+    memory.engine_up("http://d1", caches_prefixes=True)  # came back up: its cache is empty
+    assert memory.cached_tokens("http://d1", longer) == 0
+
+
+def test_a_conversation_that_grows_by_a_turn_keeps_its_earlier_keys() -> None:
+    first = [{"role": "user", "content": CHUNK_TEXT * 2}]
+    grown = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    a = prompt_chunks({"messages": first}, chat=True)
+    b = prompt_chunks({"messages": grown}, chat=True)
+    assert a is not None and b is not None and len(a.keys) == 2
+    assert b.keys[: len(a.keys)] == a.keys
+    assert prompt_chunks({"messages": "not a list"}, chat=True) is None
+
+
+def test_the_memory_keeps_its_newest_entries_within_its_capacity() -> None:
+    memory = PrefixMemory(capacity=4)
+    memory.engine_up("http://d1", caches_prefixes=True)
+    old = prompt_chunks({"prompt": "a" + CHUNK_TEXT * 3}, chat=False)
+    new = prompt_chunks({"prompt": "b" + CHUNK_TEXT * 3}, chat=False)
+    assert old is not None and new is not None
+    memory.remember("http://d1", old)
+    memory.remember("http://d1", new)
+    assert len(memory) == 4
+    assert memory.cached_tokens("http://d1", new) == 3 * CHUNK_TOKENS
+    assert memory.cached_tokens("http://d1", old) == 0  # its first chunk was evicted
+    with pytest.raises(ValueError, match="at least one chunk"):
+        PrefixMemory(capacity=0)
+
+
+def test_prefix_caching_is_read_from_vllms_cache_config_gauge() -> None:
+    """The router routes by prefix only to engines whose ``vllm:cache_config_info`` says
+    ``enable_prefix_caching="True"``; a page that does not say, or is not a metrics page,
+    reads as unknown (no routing by prefix)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    pages = {}
+    for flag in ("True", "False"):
+        registry = CollectorRegistry()
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "enable_prefix_caching", "engine"],
+            registry=registry,
+        )
+        gauge.labels("16", flag, "0").set(1)
+        pages[flag] = generate_latest(registry).decode()
+    assert prefix_caching_on(pages["True"]) is True
+    assert prefix_caching_on(pages["False"]) is False
+    assert prefix_caching_on("# HELP other x\n# TYPE other gauge\nother 1\n") is None
+    assert prefix_caching_on("{{{ not metrics") is None

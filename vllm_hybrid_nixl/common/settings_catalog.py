@@ -115,6 +115,13 @@ ENVIRONMENT = (
         "CPU image has none), engines of vLLM's CPU build start with --enforce-eager",
     ),
     Setting(
+        "TORCH_COMPILE_DISABLE",
+        "set to 1 by the container image's entry point where no C++ compiler is on PATH "
+        "(unless already set); read by torch",
+        "torch.compile runs functions eagerly: vLLM compiles small helpers even with "
+        "--enforce-eager (the sampler's logprob ranks), which would kill the engine there",
+    ),
+    Setting(
         "PATH",
         "read by the container image's entry point",
         "where it looks for that C++ compiler",

@@ -28,6 +28,7 @@ from vllm_hybrid_nixl.router.loop_lag import watch_loop_lag
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.models import ServedModels
 from vllm_hybrid_nixl.router.pairing import PairingTable
+from vllm_hybrid_nixl.router.prefix_memory import PrefixMemory
 from vllm_hybrid_nixl.router.probes import EngineProbes
 from vllm_hybrid_nixl.router.proxy import Disaggregator
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
@@ -81,8 +82,10 @@ def build_app(
         request_failures_to_open=settings.request_failures_to_open,
         open_cooldown_s=settings.open_cooldown_s,
     )
-    proxy = Disaggregator(pool, pairing, health, metrics, settings)
-    probes = EngineProbes(pool, pairing, health, metrics, settings)
+    by_prefix = settings.short_prompt_tokens > 0 and settings.colocate_cached_prefixes
+    prefix_memory = PrefixMemory() if by_prefix else None
+    proxy = Disaggregator(pool, pairing, health, metrics, settings, prefix_memory)
+    probes = EngineProbes(pool, pairing, health, metrics, settings, prefix_memory)
     models = ServedModels(pool, settings.health_timeout_s)
     handler = CompletionHandler(proxy, health, metrics, models, settings)
 

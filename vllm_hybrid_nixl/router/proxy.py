@@ -33,7 +33,8 @@ from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegClient, LegResponse, LegTransportError
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
 from vllm_hybrid_nixl.router.pairing import PairingTable
-from vllm_hybrid_nixl.router.policy import choose, prefix_key, prompt_tokens
+from vllm_hybrid_nixl.router.policy import AFFINITY_SLACK, choose, prefix_key, prompt_tokens
+from vllm_hybrid_nixl.router.prefix_memory import PrefixMemory, PromptChunks, prompt_chunks
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
@@ -243,9 +244,11 @@ class Disaggregator:
         health: HealthTracker,
         metrics: RouterMetrics,
         settings: RouterSettings,
+        prefix_memory: PrefixMemory | None = None,
     ) -> None:
         self.pool, self.pairing, self.health = pool, pairing, health
         self.metrics, self.settings = metrics, settings
+        self.prefix_memory = prefix_memory
         self.client: httpx.AsyncClient | None = None
         self.legs: LegClient | None = None
 
@@ -495,41 +498,72 @@ class Disaggregator:
             return DecodeAnswer(engine, engine, response)
         return await self._checked_stream(engine, engine, response)
 
-    async def short_prompt_colocated(
-        self, path: str, body: dict[str, Any], stream: bool
-    ) -> tuple[DecodeAnswer | None, list[Backend]]:
-        """A prompt below ``short_prompt_tokens`` runs whole on a decode engine (a prefill
-        hop and a KV transfer cost more than such a prefill), counted as
-        ``router_policy_choices_total{role="colocated",reason="short_prompt"}``. No answer
-        (the request goes P/D) when the prompt is not short or its length unknown, no decode
-        engine is usable, or the engine failed before the client got a byte; then also the
-        engine to avoid."""
+    def colocated_engine(
+        self, body: dict[str, Any], chat: bool, chunks: PromptChunks | None
+    ) -> tuple[Backend | None, str]:
+        """The decode engine to run a request whole on, and why, with conditional
+        disaggregation on (``short_prompt_tokens``): ``cached_prefix`` when a decode engine
+        is thought to hold all of the prompt's start but fewer than the threshold's tokens
+        (and is not ``AFFINITY_SLACK`` legs busier than the least busy one), else
+        ``short_prompt`` for a prompt below the threshold; (None, "") sends it P/D, as for a
+        prompt whose length cannot be told."""
         threshold = self.settings.short_prompt_tokens
-        if not threshold:
-            return None, []
-        tokens = prompt_tokens(body, chat=path.endswith("/chat/completions"))
-        if tokens is None or tokens >= threshold:
-            return None, []
-        engine = self._pick("decode", self.health.usable, [], [], count=False)
+        tokens = prompt_tokens(body, chat) if threshold else None
+        if tokens is None:
+            return None, ""
+        if self.prefix_memory is not None and chunks is not None and chunks.keys:
+            usable = [d for d in self.pool.decode if self.health.usable(d)]
+            url, cached = self.prefix_memory.best_engine([d.url for d in usable], chunks)
+            holder = next((d for d in usable if d.url == url), None)
+            if holder is not None and tokens - cached < threshold:
+                least = min(self.health.in_flight(d) for d in usable)
+                if self.health.in_flight(holder) - least < AFFINITY_SLACK:
+                    return holder, "cached_prefix"
+        if tokens < threshold:
+            return self._pick("decode", self.health.usable, [], [], count=False), "short_prompt"
+        return None, ""
+
+    async def colocated_on_decode(
+        self, path: str, body: dict[str, Any], stream: bool, chunks: PromptChunks | None
+    ) -> tuple[DecodeAnswer | None, list[Backend]]:
+        """A short prompt, or one whose start a decode engine already holds, runs whole on
+        a decode engine (a prefill hop and a KV transfer cost more than what is left to
+        prefill), counted as ``router_policy_choices_total{role="colocated",reason=...}``.
+        No answer (the request goes P/D) when :meth:`colocated_engine` finds none or the
+        engine failed before the client got a byte; then also the engine to avoid."""
+        engine, reason = self.colocated_engine(body, path.endswith("/chat/completions"), chunks)
         if engine is None:
             return None, []
-        self.metrics.policy_choices.labels("colocated", "short_prompt", engine.url).inc()
+        self.metrics.policy_choices.labels("colocated", reason, engine.url).inc()
         leg_body = {**body, "request_id": leg_request_id()}
         try:
             return await self._colocated_leg(engine, path, leg_body, stream), []
         except LegError as exc:
             if exc.kind == "client_error":  # the request is at fault: P/D would fail alike
                 raise
-            logger.warning("%s; running the short prompt P/D instead", exc.message)
+            logger.warning("%s; running the request P/D instead", exc.message)
             return None, [exc.backend]
 
     async def run(self, path: str, body: dict[str, Any]) -> DecodeAnswer:
         """Both legs; a decode engine's 5xx re-runs the whole request (bounded). A short
-        prompt runs colocated on a decode engine instead (``short_prompt_tokens``)."""
+        prompt, or one mostly cached on a decode engine, runs colocated on a decode engine
+        instead (``short_prompt_tokens``). The prompt is remembered as held by the decode
+        engine that answered (for later ``cached_prefix`` choices)."""
+        chunks = None
+        if self.prefix_memory is not None and self.settings.short_prompt_tokens:
+            chunks = prompt_chunks(body, chat=path.endswith("/chat/completions"))
+        answer = await self._run(path, body, chunks)
+        if chunks is not None and self.prefix_memory is not None:
+            self.prefix_memory.remember(answer.decode.url, chunks)
+        return answer
+
+    async def _run(
+        self, path: str, body: dict[str, Any], chunks: PromptChunks | None
+    ) -> DecodeAnswer:
         stream = bool(body.get("stream"))
-        short, avoid_decode = await self.short_prompt_colocated(path, body, stream)
-        if short is not None:
-            return short
+        colocated, avoid_decode = await self.colocated_on_decode(path, body, stream, chunks)
+        if colocated is not None:
+            return colocated
         avoid: list[Backend] = []
         for attempt in range(self.settings.request_retries + 1):
             legs_body = {**body, "request_id": leg_request_id()}

@@ -83,6 +83,13 @@ class RouterSettings(BaseModel):
         "(text: estimated at 4 UTF-8 bytes a token) runs colocated on a decode engine, with no "
         "prefill hop and no KV transfer; 0 sends every prompt through a prefill engine",
     )
+    colocate_cached_prefixes: bool = Field(
+        True,
+        description="with short_prompt_tokens set: a prompt whose start a decode engine "
+        "already holds in its prefix cache (as far as the router saw: prompts it sent there, "
+        "engines whose prefix caching is on), with fewer than short_prompt_tokens tokens left "
+        "to prefill, runs colocated on that engine",
+    )
     protect_probes: bool = Field(
         False, description="require the API key on /health and /metrics too"
     )
