@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+
 CLIENTS = 32
 MAX_TOKENS = 24
 REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this counts as hung
@@ -124,6 +126,21 @@ class Load:
                 assert not self.problems, self.problems[:5]
             assert time.monotonic() < deadline, f"no {more} answers in {timeout_s} s"
             time.sleep(0.2)
+
+
+def wait_for_pd(load: Load, decode_url: str, clients: int, rounds: int = 4) -> float:
+    """Bytes the decode engine at ``decode_url`` read over NIXL while ``load`` got up to
+    ``rounds`` x ``clients`` more right answers, stopping at the first round in which it read
+    some. After an engine came back, the first answers can all be requests the router had
+    already run colocated (one per client in flight), so one round proves nothing."""
+    moved = 0.0
+    for _ in range(rounds):
+        before = read_kv_transfer_counters(decode_url)
+        load.wait_answers(clients)
+        moved = (read_kv_transfer_counters(decode_url) - before).nixl_bytes
+        if moved > 0:
+            break
+    return moved
 
 
 def request_body(model: str, prompt: str) -> dict:

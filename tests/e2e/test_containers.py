@@ -39,7 +39,7 @@ from tests.e2e.container_kit import (
     state,
     wait_healthy,
 )
-from tests.e2e.rolling_load import CLIENTS, REQUEST_TIMEOUT_S, Load, alone
+from tests.e2e.rolling_load import CLIENTS, REQUEST_TIMEOUT_S, Load, alone, wait_for_pd
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
@@ -257,12 +257,8 @@ def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdCont
             while router_engine_state(pd, role) != "up":
                 assert time.monotonic() < deadline, f"the router did not take the {role} back"
                 time.sleep(0.5)
-            with httpx.Client(timeout=60) as client:
-                before = read_kv_transfer_counters(pd.urls["decode"], client)
-            load.wait_answers(CLIENTS)
-            with httpx.Client(timeout=60) as client:
-                moved = read_kv_transfer_counters(pd.urls["decode"], client) - before
-            assert moved.nixl_bytes > 0, f"no P/D after the {role} container came back"
+            moved = wait_for_pd(load, pd.urls["decode"], CLIENTS)
+            assert moved > 0, f"no P/D after the {role} container came back"
     except AssertionError:
         for role, name in pd.names.items():  # what each container said last, for the report
             tail = pd.cli.run("logs", "--tail", "40", name, check=False)

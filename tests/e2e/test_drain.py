@@ -21,9 +21,15 @@ import httpx
 import pytest
 
 from tests.e2e.pd_fixture import PdPair, running_router, start_pair
-from tests.e2e.rolling_load import CLIENTS, MAX_TOKENS, REQUEST_TIMEOUT_S, Load, alone
+from tests.e2e.rolling_load import (
+    CLIENTS,
+    MAX_TOKENS,
+    REQUEST_TIMEOUT_S,
+    Load,
+    alone,
+    wait_for_pd,
+)
 from vllm_hybrid_nixl.deploy.engines import EngineProcess
-from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.router.backends import BackendPool
 
@@ -84,10 +90,8 @@ def test_restarting_each_engine_under_load_loses_no_request(pair: PdPair, tmp_pa
                     engines[index], router_url, tmp_path / f"{role}-restarted.log"
                 )
                 stops[role] = (stopped_s, code)
-                before = read_kv_transfer_counters(engines[1].spec.url)
-                load.wait_answers(CLIENTS)  # P/D again: the decode engine reads over NIXL
-                moved = read_kv_transfer_counters(engines[1].spec.url) - before
-                assert moved.nixl_bytes > 0, f"no P/D after the {role} came back"
+                moved = wait_for_pd(load, engines[1].spec.url, CLIENTS)  # reads over NIXL
+                assert moved > 0, f"no P/D after the {role} came back"
         finally:
             load.stop.set()
             for client in clients:
