@@ -264,7 +264,9 @@ def prompts_for(concurrency: int, per_slot: int) -> int:
     return max(16, per_slot * concurrency)
 
 
-def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
+def run(
+    concurrency: list[int], rounds: int, per_slot: int, warm_up_round: bool = True
+) -> dict[str, Any]:
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,8 +286,11 @@ def run(concurrency: list[int], rounds: int, per_slot: int) -> dict[str, Any]:
             warm_up(targets["ours"], model)
             # An untimed round first (prompts of its own): whichever target runs first at a
             # concurrency would otherwise meet the engines' first batches of that size.
-            print("  warm-up round (not counted)", file=sys.stderr, flush=True)
-            measure(targets, engines, pids, model, concurrency, range(rounds, rounds + 1), 2, work)
+            if warm_up_round:
+                print("  warm-up round (not counted)", file=sys.stderr, flush=True)
+                measure(
+                    targets, engines, pids, model, concurrency, range(rounds, rounds + 1), 2, work
+                )
             runs = measure(
                 targets, engines, pids, model, concurrency, range(rounds), per_slot, work
             )
@@ -360,8 +365,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts-per-slot", type=int, default=12)
     parser.add_argument("--out", default=str(RESULTS), help="where results are written")
+    parser.add_argument(
+        "--no-warm-up-round",
+        dest="warm_up_round",
+        action="store_false",
+        help="skip the untimed round (for a check that it runs, not for figures)",
+    )
     args = parser.parse_args()
-    result = run(args.concurrency, args.rounds, args.prompts_per_slot)
+    result = run(args.concurrency, args.rounds, args.prompts_per_slot, args.warm_up_round)
     print(table(result))
     print(json.dumps(result["headline"]))
     out = Path(args.out)

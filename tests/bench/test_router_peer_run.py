@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_target_answers_every_request_and_rounds_pool(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.router_peer", "--concurrency", "2", "--rounds", "1",
-         "--prompts-per-slot", "1", "--out", str(tmp_path)],
+         "--prompts-per-slot", "1", "--no-warm-up-round", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

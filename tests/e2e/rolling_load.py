@@ -2,13 +2,13 @@
 answers they must get (one engine's alone, token for token): shared by the rolling-restart
 tests of plain engines (``test_drain``) and of containers (``test_containers``).
 
-One allowance, with evidence: under 32 clients the engines batch requests, and a batch sums
+One allowance, with evidence: under many clients the engines batch requests, and a batch sums
 in another order than a request alone, so logprobs move by a few thousandths of a nat. A
 random-weight model has near-uniform logits, so once in a while its two best candidates are
-closer than that and greedy picks the other one (seen in CI: one prompt's 24th token, 182
-instead of 91, the 23 before equal). An answer that first leaves the expected one at a token
-where the engine alone had its top two within ``NEAR_TIE`` is counted as right (and counted
-as a near tie); any other difference is a wrong answer."""
+closer than that and greedy picks the other one (seen in CI under 32 clients: one prompt's
+24th token, 182 instead of 91, the 23 before equal). An answer that first leaves the
+expected one at a token where the engine alone had its top two within ``NEAR_TIE`` is
+counted as right (and counted as a near tie); any other difference is a wrong answer."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import httpx
 
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 
-CLIENTS = 32
+CLIENTS = 8  # in flight at every stop (drains have work); more only slows restarts
 MAX_TOKENS = 24
 REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this counts as hung
 FILLER = "the kv cache moves between engines "

@@ -231,11 +231,13 @@ def router_engine_state(pd: PdContainers, role: str) -> str:
     return next(e["state"] for e in engines if e["role"] == role)
 
 
-def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdContainers) -> None:
-    """``docker stop`` (SIGTERM: the engine drains) then ``docker start``, the prefill
-    container and then the decode one, while 32 clients keep requests running through the
-    router container: every answer equals the decode engine's alone (token ids), none fails
-    or hangs; the router ran requests colocated while a role was away, and P/D resumed."""
+def test_restarting_the_decode_container_under_load_loses_no_request(pd: PdContainers) -> None:
+    """``docker stop`` (SIGTERM: the engine drains) then ``docker start`` of the decode
+    container while 8 clients keep requests running through the router container: every
+    answer equals the decode engine's alone (token ids), none fails or hangs; the router ran
+    requests colocated on the prefill engine while the decode was away, and P/D resumed.
+    (Both roles' restarts with plain engines: ``test_drain``; all four engines of a Ray
+    deployment: ``test_ray_pd``. One container is what the image adds.)"""
     expected = alone(pd.urls["decode"], "/models/tiny")
     headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
     load = Load(pd.urls["router"], "/models/tiny", expected, headers)
@@ -245,7 +247,7 @@ def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdCont
     stopped = {}
     try:
         load.wait_answers(CLIENTS)
-        for role in ("prefill", "decode"):
+        for role in ("decode",):
             name = pd.names[role]
             progress(f"restarting the {role} container under load")
             started = time.monotonic()
@@ -273,8 +275,7 @@ def test_restarting_each_engine_container_under_load_loses_no_request(pd: PdCont
     assert load.outcomes["ok"] >= 3 * CLIENTS
     assert all(code == 0 for _, code in stopped.values()), stopped
     metrics = read_metrics(pd.urls["router"], None, timeout_s=10.0)
-    for reason in ("no_prefill", "no_decode"):
-        assert sample_sum(metrics, "router_policy_choices_total", reason=reason) > 0, reason
+    assert sample_sum(metrics, "router_policy_choices_total", reason="no_decode") > 0
     assert sample_sum(metrics, "router_lease_reruns_total") == 0
 
 

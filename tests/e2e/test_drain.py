@@ -1,6 +1,6 @@
-"""A rolling restart under load loses nothing: real engines, our router, 32 clients.
+"""A rolling restart under load loses nothing: real engines, our router, 8 clients.
 
-While 32 clients keep requests running through the router (streamed and not, greedy), the
+While 8 clients keep requests running through the router (streamed and not, greedy), the
 prefill engine is stopped (SIGTERM: it drains, :mod:`vllm_hybrid_nixl.connector.drain`) and
 started again on the same ports, then the decode engine. Every answer must equal the decode
 engine's own answer alone (the same token ids), none may fail or hang; while one role

@@ -661,7 +661,7 @@ def test_a_rolling_restart_under_load_loses_no_request(
     deployment: PDDeployment, tiny_hybrid_model
 ) -> None:
     """What ``serve`` does on SIGHUP: every engine drains and restarts in turn (prefill engines
-    first) while 32 clients keep requests running through the router; every answer equals
+    first) while 8 clients keep requests running through the router; every answer equals
     one engine's alone (token ids), none fails or hangs, no lease ends in a re-run, each
     engine exits 0 on its SIGTERM, and the other engine of its role carries the traffic."""
     model = str(tiny_hybrid_model)
