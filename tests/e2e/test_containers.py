@@ -231,6 +231,7 @@ def router_engine_state(pd: PdContainers, role: str) -> str:
     return next(e["state"] for e in engines if e["role"] == role)
 
 
+@pytest.mark.slow  # ~300 s / ~155 s on two cores: not in .ci/run (docs/testing.md)
 def test_restarting_the_decode_container_under_load_loses_no_request(pd: PdContainers) -> None:
     """``docker stop`` (SIGTERM: the engine drains) then ``docker start`` of the decode
     container while 8 clients keep requests running through the router container: every

@@ -1,6 +1,6 @@
-"""A rolling restart under load loses nothing: real engines, our router, 8 clients.
+"""A rolling restart under load loses nothing: real engines, our router, 32 clients.
 
-While 8 clients keep requests running through the router (streamed and not, greedy), the
+While 32 clients keep requests running through the router (streamed and not, greedy), the
 prefill engine is stopped (SIGTERM: it drains, :mod:`vllm_hybrid_nixl.connector.drain`) and
 started again on the same ports, then the decode engine. Every answer must equal the decode
 engine's own answer alone (the same token ids), none may fail or hang; while one role
@@ -22,7 +22,6 @@ import pytest
 
 from tests.e2e.pd_fixture import PdPair, running_router, start_pair
 from tests.e2e.rolling_load import (
-    CLIENTS,
     MAX_TOKENS,
     REQUEST_TIMEOUT_S,
     Load,
@@ -39,6 +38,11 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def pair(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[PdPair]:
     yield from start_pair(tiny_hybrid_model, tmp_path_factory.mktemp("drain-logs"), {}, {})
+
+
+# More than the other rolling restarts (rolling_load.CLIENTS): at 8 clients an engine had no
+# request in flight at its SIGTERM (both drains "waiting for 0"), so nothing was drained.
+CLIENTS = 32
 
 
 def engine_state(router_url: str, role: str) -> str:

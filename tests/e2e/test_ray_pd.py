@@ -657,6 +657,7 @@ def test_killed_engines_restart_and_serve_again(
         print(f"\nFAULT {name}: back in rotation and serving {back_after:.0f}s after the kill")
 
 
+@pytest.mark.slow  # ~300 s / ~155 s on two cores: not in .ci/run (docs/testing.md)
 def test_a_rolling_restart_under_load_loses_no_request(
     deployment: PDDeployment, tiny_hybrid_model
 ) -> None:

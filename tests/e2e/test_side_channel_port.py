@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,57 +36,89 @@ def test_the_check_refuses_a_listening_port_and_passes_a_free_one() -> None:
     refuse_busy_side_channel(_Scheduler(port))  # released: passes
 
 
-@pytest.mark.e2e
-def test_engine_with_a_taken_side_channel_port_exits_with_the_reason(
-    tiny_hybrid_model: Path, tmp_path: Path
-) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as holder:
-        port = holder.getsockname()[1]
-        spec = EngineSpec(
-            model=str(tiny_hybrid_model),
-            port=free_port(),
-            role="prefill",
-            side_channel_port=port,
-            extra_args=["--enforce-eager", "--max-model-len", "512", "--block-size", "64"],
-        )
-        engine = EngineProcess(spec, tmp_path / "engine.log").start()
+ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "64"]
+
+
+@dataclass
+class RefusedStart:
+    """An engine started on a taken port, its log once it said ``wanted`` (or stopped)."""
+
+    port: int
+    wanted: str
+    log: str = ""
+
+
+@pytest.fixture(scope="module")
+def refused_starts(
+    tiny_hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, RefusedStart]]:
+    """Both engines at once (each refusal comes late in start-up; one after the other they
+    took twice as long): one whose side-channel port is taken, one whose configured
+    ``lease_port`` is taken; each runs until its log names the port, it stops, or 420 s."""
+    logs = tmp_path_factory.mktemp("taken-ports")
+    with (
+        socket.create_server(("127.0.0.1", 0)) as side_holder,
+        socket.create_server(("127.0.0.1", 0)) as lease_holder,
+    ):
+        side_port, lease_port = side_holder.getsockname()[1], lease_holder.getsockname()[1]
+        starts = {
+            "side_channel": RefusedStart(side_port, MESSAGE.format(port=side_port)),
+            "lease": RefusedStart(
+                lease_port, f"KV lease service could not listen on 127.0.0.1:{lease_port}"
+            ),
+        }
+        specs = {
+            "side_channel": EngineSpec(
+                model=str(tiny_hybrid_model),
+                port=free_port(),
+                role="prefill",
+                side_channel_port=side_port,
+                extra_args=ARGS,
+                cpu_core=0,
+            ),
+            "lease": EngineSpec(
+                model=str(tiny_hybrid_model),
+                port=free_port(),
+                role="prefill",
+                side_channel_port=free_side_channel_port(),
+                kv_extra_config={"lease_port": lease_port},
+                extra_args=ARGS,
+                cpu_core=1,
+            ),
+        }
+        engines = {k: EngineProcess(spec, logs / f"{k}.log").start() for k, spec in specs.items()}
         try:
             deadline = time.monotonic() + 420
-            while engine.alive() and time.monotonic() < deadline:
-                if MESSAGE.format(port=port) in engine.log_text():
-                    break
+            waiting = set(engines)
+            while waiting and time.monotonic() < deadline:
+                for key in list(waiting):
+                    engine = engines[key]
+                    if not engine.alive() or starts[key].wanted in engine.log_text():
+                        waiting.discard(key)
                 time.sleep(1)
-            assert MESSAGE.format(port=port) in engine.log_text(), engine.log_tail(40)
-            assert "What to change" in engine.log_text()
+            for key, engine in engines.items():
+                starts[key].log = engine.log_text() or engine.log_tail(40)
         finally:
-            engine.stop()
+            for engine in engines.values():
+                engine.stop()
+        yield starts
+
+
+@pytest.mark.e2e
+def test_engine_with_a_taken_side_channel_port_exits_with_the_reason(
+    refused_starts: dict[str, RefusedStart],
+) -> None:
+    start = refused_starts["side_channel"]
+    assert start.wanted in start.log, start.log[-4000:]
+    assert "What to change" in start.log
 
 
 @pytest.mark.e2e
 def test_engine_with_a_taken_lease_port_exits_with_the_reason(
-    tiny_hybrid_model: Path, tmp_path: Path
+    refused_starts: dict[str, RefusedStart],
 ) -> None:
     """A configured ``lease_port`` that is taken stops the prefill engine by name (a derived
     default that is taken falls back to a free port with a warning instead)."""
-    with socket.create_server(("127.0.0.1", 0)) as holder:
-        port = holder.getsockname()[1]
-        spec = EngineSpec(
-            model=str(tiny_hybrid_model),
-            port=free_port(),
-            role="prefill",
-            side_channel_port=free_side_channel_port(),
-            kv_extra_config={"lease_port": port},
-            extra_args=["--enforce-eager", "--max-model-len", "512", "--block-size", "64"],
-        )
-        engine = EngineProcess(spec, tmp_path / "engine.log").start()
-        wanted = f"KV lease service could not listen on 127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 420
-            while engine.alive() and time.monotonic() < deadline:
-                if wanted in engine.log_text():
-                    break
-                time.sleep(1)
-            assert wanted in engine.log_text(), engine.log_tail(40)
-            assert "give each engine on this host its own lease_port" in engine.log_text()
-        finally:
-            engine.stop()
+    start = refused_starts["lease"]
+    assert start.wanted in start.log, start.log[-4000:]
+    assert "give each engine on this host its own lease_port" in start.log
