@@ -161,7 +161,8 @@ def test_the_memory_keeps_its_newest_entries_within_its_capacity() -> None:
     memory.remember("http://d1", new)
     assert len(memory) == 4
     assert memory.cached_tokens("http://d1", new) == 3 * CHUNK_TOKENS
-    assert memory.cached_tokens("http://d1", old) == 0  # its first chunk was evicted
+    # the older prompt lost its tail first (as the engine's own cache would): its start stays
+    assert memory.cached_tokens("http://d1", old) == CHUNK_TOKENS
     with pytest.raises(ValueError, match="at least one chunk"):
         PrefixMemory(capacity=0)
 
@@ -187,3 +188,23 @@ def test_prefix_caching_is_read_from_vllms_cache_config_gauge() -> None:
     assert prefix_caching_on(pages["False"]) is False
     assert prefix_caching_on("# HELP other x\n# TYPE other gauge\nother 1\n") is None
     assert prefix_caching_on("{{{ not metrics") is None
+
+
+def test_what_vllm_caches_apart_is_remembered_apart() -> None:
+    """vLLM's block hashes change with the model (a LoRA) and ``cache_salt``, and a prompt
+    truncated from the left is not the prompt sent: none of them shares keys with the plain
+    prompt; a chat chunk's JSON overhead does not make more of a prompt look cached."""
+    text = CHUNK_TEXT * 2
+    plain = prompt_chunks({"model": "m", "prompt": text}, chat=False)
+    salted = prompt_chunks({"model": "m", "prompt": text, "cache_salt": "tenant-a"}, chat=False)
+    other_model = prompt_chunks({"model": "m-lora", "prompt": text}, chat=False)
+    assert plain is not None and salted is not None and other_model is not None
+    assert not set(plain.keys) & set(salted.keys)
+    assert not set(plain.keys) & set(other_model.keys)
+    truncated = {"model": "m", "prompt": text, "truncate_prompt_tokens": 10}
+    assert prompt_chunks(truncated, chat=False) is None
+    chat = prompt_chunks({"messages": [{"role": "user", "content": "a\n" * 300}]}, chat=True)
+    assert chat is not None and chat.keys
+    all_cached = len(chat.keys) * CHUNK_TOKENS
+    assert chat.cached_share(all_cached) < 1.0  # the tail past the last full chunk is not
+    assert plain.cached_share(2 * CHUNK_TOKENS) == 1.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,17 +28,35 @@ DEFAULT_CAPACITY = 200_000  # (engine, chunk) entries kept: ~13M prompt tokens, 
 
 @dataclass(frozen=True)
 class PromptChunks:
-    """A prompt's chained chunk keys and the tokens each full chunk stands for."""
+    """A prompt's chained chunk keys, the tokens each full chunk stands for, and how many of
+    the prompt's units (bytes or token ids) each chunk and the whole prompt hold."""
 
     keys: tuple[bytes, ...]
     tokens_per_chunk: int
+    units_per_chunk: int = 1
+    total_units: int = 1
+
+    def cached_share(self, cached_tokens: int) -> float:
+        """The share of the whole prompt that ``cached_tokens`` (as :class:`PrefixMemory`
+        counts them) covers: a chat chunk's bytes include JSON keys and escapes, so shares,
+        not byte estimates, compare with the prompt's own length estimate."""
+        chunks = cached_tokens // self.tokens_per_chunk
+        return min(1.0, chunks * self.units_per_chunk / max(1, self.total_units))
 
 
 def prompt_chunks(body: dict[str, Any], chat: bool) -> PromptChunks | None:
     """The chunk keys of the prompt the endpoint reads (``messages`` for chat, ``prompt``
-    otherwise); None for a batch, prompt embeddings or anything else not one prompt."""
-    if "prompt_embeds" in body:
+    otherwise); None for a batch, prompt embeddings, a prompt vLLM truncates from the left
+    (``truncate_prompt_tokens``) or anything else not one prompt. The chain starts from the
+    model and ``cache_salt``, which change vLLM's own block hashes (a LoRA, a tenant)."""
+    if "prompt_embeds" in body or body.get("truncate_prompt_tokens") is not None:
         return None
+    seed = hashlib.blake2b(
+        json.dumps([body.get("model"), body.get("cache_salt")], default=str).encode(
+            "utf-8", "surrogatepass"
+        ),
+        digest_size=16,
+    ).digest()
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -49,30 +67,31 @@ def prompt_chunks(body: dict[str, Any], chat: bool) -> PromptChunks | None:
             json.dumps(m, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
             for m in messages
         )
-        return _chunked(units, CHUNK_TOKENS * BYTES_PER_TOKEN, CHUNK_TOKENS)
+        return _chunked(seed, units, CHUNK_TOKENS * BYTES_PER_TOKEN, CHUNK_TOKENS)
     prompt: Any = body.get("prompt")
     if isinstance(prompt, str):
-        return _chunked(
-            prompt.encode("utf-8", "surrogatepass"), CHUNK_TOKENS * BYTES_PER_TOKEN, CHUNK_TOKENS
-        )
+        text = prompt.encode("utf-8", "surrogatepass")
+        return _chunked(seed, text, CHUNK_TOKENS * BYTES_PER_TOKEN, CHUNK_TOKENS)
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return _chunked(prompt, CHUNK_TOKENS, CHUNK_TOKENS)
+        return _chunked(seed, prompt, CHUNK_TOKENS, CHUNK_TOKENS)
     return None
 
 
-def _chunked(units: bytes | list[int], units_per_chunk: int, tokens: int) -> PromptChunks:
+def _chunked(
+    seed: bytes, units: bytes | list[int], units_per_chunk: int, tokens: int
+) -> PromptChunks:
     keys = []
-    previous = b""
+    previous = seed
     for start in range(0, len(units) - units_per_chunk + 1, units_per_chunk):
         piece = units[start : start + units_per_chunk]
         data = piece if isinstance(piece, bytes) else json.dumps(piece).encode()
         previous = hashlib.blake2b(previous + data, digest_size=16).digest()
         keys.append(previous)
-    return PromptChunks(tuple(keys), tokens)
+    return PromptChunks(tuple(keys), tokens, units_per_chunk, len(units))
 
 
 class PrefixMemory:
@@ -83,6 +102,7 @@ class PrefixMemory:
             raise ValueError(f"a prefix memory needs room for at least one chunk, not {capacity}")
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._per_engine: Counter[str] = Counter()
         self._caching: set[str] = set()
 
     def engine_up(self, engine_url: str, caches_prefixes: bool) -> None:
@@ -105,12 +125,19 @@ class PrefixMemory:
         for an engine not known to cache prefixes."""
         if engine_url not in self._caching:
             return
-        for key in chunks.keys:
+        # The last chunk first: the prompt's start is the newest, so eviction takes its
+        # tail first, as the engine's own cache does (a chained key without its start is
+        # useless).
+        for key in reversed(chunks.keys):
             entry = (engine_url, key)
-            self._entries[entry] = None
-            self._entries.move_to_end(entry)
+            if entry in self._entries:
+                self._entries.move_to_end(entry)
+            else:
+                self._entries[entry] = None
+                self._per_engine[engine_url] += 1
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            (url, _), _ = self._entries.popitem(last=False)
+            self._per_engine[url] -= 1
 
     def cached_tokens(self, engine_url: str, chunks: PromptChunks) -> int:
         """Tokens of the prompt's start that ``engine_url`` is thought to hold."""
@@ -135,8 +162,10 @@ class PrefixMemory:
 
     def forget(self, engine_urls: Iterable[str]) -> None:
         """Drop what ``engine_urls`` held (restarted engines start with an empty cache)."""
-        gone = set(engine_urls)
+        gone = {url for url in engine_urls if self._per_engine.get(url, 0) > 0}
         if not gone:
             return
         for entry in [e for e in self._entries if e[0] in gone]:
             del self._entries[entry]
+        for url in gone:
+            del self._per_engine[url]

@@ -39,6 +39,7 @@ class EngineProbes:
         self.pool, self.pairing, self.health = pool, pairing, health
         self.metrics, self.settings = metrics, settings
         self.prefix_memory = prefix_memory
+        self._caching_unread: set[str] = set()  # decode engines whose /metrics did not say
         self._layouts_read_at = time.monotonic()
 
     async def probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
@@ -63,8 +64,18 @@ class EngineProbes:
         await asyncio.gather(*(self.probe(client, b) for b in engines))
         came_up = [b for b in engines if self.health.state(b).value == "up" and b.url not in was_up]
         if self.prefix_memory is not None:
+            memory = self.prefix_memory
+            for backend in came_up:  # before any await: a restart's cache is empty, and
+                memory.engine_up(backend.url, caches_prefixes=False)  # unknown until read
+            unread = [
+                b
+                for b in engines
+                if b.url in self._caching_unread and self.health.state(b).value == "up"
+            ]
+            decode = {b.url: b for b in [*came_up, *unread] if b.role == "decode"}
             await asyncio.gather(
-                *(self.read_prefix_caching(client, b) for b in came_up if b.role == "decode")
+                *(self.read_prefix_caching(client, b) for b in decode.values()),
+                return_exceptions=True,
             )
         if time.monotonic() - self._layouts_read_at >= LAYOUT_REFRESH_S:
             self._layouts_read_at = time.monotonic()
@@ -76,7 +87,8 @@ class EngineProbes:
 
     async def read_prefix_caching(self, client: httpx.AsyncClient, backend: Backend) -> None:
         """Whether ``backend`` caches prefixes, from its ``vllm:cache_config_info``; an
-        engine whose metrics cannot be read counts as not caching."""
+        engine whose metrics cannot be read counts as not caching and is read again at the
+        next probe round."""
         assert self.prefix_memory is not None
         caching = None
         with suppress(httpx.HTTPError):
@@ -85,7 +97,11 @@ class EngineProbes:
             )
             if response.status_code == 200:
                 caching = prefix_caching_on(response.text)
-        self.prefix_memory.engine_up(backend.url, bool(caching))
+        if caching is None:  # not caching until a later round reads it
+            self._caching_unread.add(backend.url)
+            return
+        self._caching_unread.discard(backend.url)
+        self.prefix_memory.engine_up(backend.url, caching)
 
     async def probe_forever(self, client: httpx.AsyncClient) -> None:
         while True:

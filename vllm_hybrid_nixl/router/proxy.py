@@ -515,7 +515,8 @@ class Disaggregator:
             usable = [d for d in self.pool.decode if self.health.usable(d)]
             url, cached = self.prefix_memory.best_engine([d.url for d in usable], chunks)
             holder = next((d for d in usable if d.url == url), None)
-            if holder is not None and tokens - cached < threshold:
+            uncached = tokens * (1.0 - chunks.cached_share(cached))
+            if holder is not None and uncached < threshold:
                 least = min(self.health.in_flight(d) for d in usable)
                 if self.health.in_flight(holder) - least < AFFINITY_SLACK:
                     return holder, "cached_prefix"
