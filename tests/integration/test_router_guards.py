@@ -3,6 +3,7 @@ at a port nobody listens on: everything checked here must be answered without an
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -163,7 +164,10 @@ def test_oversized_chunked_body_is_cut_off_at_the_limit(open_router: RouterServe
     assert "exceeds 2048 bytes" in error_of(response)["message"]
 
 
-def test_a_body_that_trickles_in_gets_408(open_router: RouterServer) -> None:
+def test_a_body_that_trickles_in_gets_408(open_router: RouterServer, caplog) -> None:
+    """The client gets the 408; the operator's log says how much of the body came, from
+    whom (a slow client or packets held up on the way look alike to the router)."""
+    caplog.set_level(logging.WARNING, logger="vllm_hybrid_nixl.router")
     with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -175,6 +179,8 @@ def test_a_body_that_trickles_in_gets_408(open_router: RouterServer) -> None:
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"did not arrive within 1 s" in reply
     assert waited < 5
+    assert "408: 9 of 100 body bytes from 127.0.0.1:" in caplog.text
+    assert b"127.0.0.1" not in reply  # addresses go to the log, not to the client
 
 
 def test_headers_that_trickle_in_get_the_connection_closed(open_router: RouterServer) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from starlette.requests import Request
+
+logger = logging.getLogger("vllm_hybrid_nixl.router")
 
 #: Deepest JSON nesting a request may have (OpenAI bodies, tool schemas included, stay far
 #: below); deeper bodies are refused before any engine sees them.
@@ -29,12 +32,13 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
             413, f"request body is {declared} bytes; this router accepts at most {max_bytes}"
         )
 
+    received = [0]  # bytes so far, for the operator's log line on a timeout
+
     async def collect() -> bytes:
         chunks: list[bytes] = []
-        size = 0
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
+            received[0] += len(chunk)
+            if received[0] > max_bytes:
                 raise BodyRejected(
                     413, f"request body exceeds {max_bytes} bytes, the most this router accepts"
                 )
@@ -44,6 +48,15 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     try:
         return await asyncio.wait_for(collect(), timeout_s)
     except TimeoutError:
+        client = request.client
+        logger.warning(
+            "408: %d of %s body bytes from %s arrived within %g s (a slow client, or packets "
+            "held up between it and the router)",
+            received[0],
+            declared if declared is not None else "an undeclared number of",
+            f"{client.host}:{client.port}" if client else "an unknown client",
+            timeout_s,
+        )
         raise BodyRejected(
             408, f"request body did not arrive within {timeout_s:g} s; send it faster"
         ) from None
