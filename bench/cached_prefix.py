@@ -20,55 +20,37 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.end_to_end import RESULTS, start_stack
-from bench.short_prompts import first_token_s, prompt, start_router
+from bench.end_to_end import RESULTS
+from bench.short_prompts import WAYS, first_token_s, prompt, three_ways
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
-
-WAYS = ("decode_alone", "router_pd", "router_conditional")
 
 
 def run(conversations: int, threshold: int, first_words: int) -> dict[str, Any]:
-    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
-        urls, stop = start_stack(model, Path(tmp))
-        router, conditional_url = start_router(urls, threshold, Path(tmp) / "router-cached.log")
-        ways = {
-            "decode_alone": {**urls, "router": urls["decode"]},
-            "router_pd": urls,
-            "router_conditional": {**urls, "router": conditional_url},
-        }
-        ttft: dict[str, list[float]] = {way: [] for way in WAYS}
-        next_turn_nixl: dict[str, list[float]] = {way: [] for way in WAYS}
-        try:
-            for index in range(conversations + 1):  # the first round warms up: untimed
-                order = WAYS[index % 3 :] + WAYS[: index % 3]
-                for offset, way in enumerate(order):
-                    body = {"model": model, "max_tokens": 4, "temperature": 0.0}
-                    body.update(ignore_eos=True, stream=True)
-                    body["prompt"] = prompt(index * 10 + offset, first_words)
-                    asyncio.run(first_token_s(ways[way], body))  # the earlier turn
-                    body["prompt"] += " and then the tide turned"
-                    before = read_kv_transfer_counters(urls["decode"])
-                    seconds = asyncio.run(first_token_s(ways[way], body))
-                    moved = (read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes
-                    if index:
-                        ttft[way].append(seconds)
-                        next_turn_nixl[way].append(moved)
-                print(f"conversation round {index}/{conversations}", file=sys.stderr, flush=True)
-            choices = httpx.get(f"{conditional_url}/metrics", timeout=10).text
-        finally:
-            router.terminate()
-            router.wait(timeout=20)
-            stop()
+    ttft: dict[str, list[float]] = {way: [] for way in WAYS}
+    next_turn_nixl: dict[str, list[float]] = {way: [] for way in WAYS}
+    with three_ways(threshold) as (model, urls, ways):
+        for index in range(conversations + 1):  # the first round warms up: untimed
+            order = WAYS[index % 3 :] + WAYS[: index % 3]
+            for offset, way in enumerate(order):
+                body = {"model": model, "max_tokens": 4, "temperature": 0.0}
+                body.update(ignore_eos=True, stream=True)
+                body["prompt"] = prompt(index * 10 + offset, first_words)
+                asyncio.run(first_token_s(ways[way], body))  # the earlier turn
+                body["prompt"] += " and then the tide turned"
+                before = read_kv_transfer_counters(urls["decode"])
+                seconds = asyncio.run(first_token_s(ways[way], body))
+                moved = (read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes
+                if index:
+                    ttft[way].append(seconds)
+                    next_turn_nixl[way].append(moved)
+            print(f"conversation round {index}/{conversations}", file=sys.stderr, flush=True)
+        choices = httpx.get(f"{ways['router_conditional']['router']}/metrics", timeout=10).text
     medians = {way: statistics.median(values) for way, values in ttft.items()}
     return {
         "conversations": conversations,

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,41 +66,54 @@ async def first_token_s(urls: dict[str, str], body: dict[str, Any]) -> float:
     return ttft
 
 
-def run(requests: int, threshold: int, short_words: int, long_words: int) -> dict[str, Any]:
+@contextmanager
+def three_ways(threshold: int) -> Iterator[tuple[str, dict[str, str], dict[str, dict[str, str]]]]:
+    """A tiny hybrid model, its P/D stack (a prefill and a decode engine, a router without a
+    threshold) and a second router with ``--short-prompt-tokens threshold``: the model, the
+    stack's URLs and each of ``WAYS`` as the URLs its requests go to (``"router"``)."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
         urls, stop = start_stack(model, Path(tmp))
-        router, conditional_url = start_router(urls, threshold, Path(tmp) / "router-short.log")
+        try:
+            router, conditional_url = start_router(urls, threshold, Path(tmp) / "router.log")
+        except BaseException:
+            stop()
+            raise
         ways = {
             "decode_alone": {**urls, "router": urls["decode"]},
             "router_pd": urls,
             "router_conditional": {**urls, "router": conditional_url},
         }
-        ttft: dict[str, list[float]] = {way: [] for way in WAYS}
-        long_nixl: list[float] = []
         try:
-            for index in range(requests + 1):  # the first round warms every way up: untimed
-                order = WAYS[index % 3 :] + WAYS[: index % 3]
-                for offset, way in enumerate(order):
-                    body = {"model": model, "max_tokens": 4, "temperature": 0.0}
-                    body.update(ignore_eos=True, stream=True)
-                    body["prompt"] = prompt(index * 10 + offset, short_words)
-                    seconds = asyncio.run(first_token_s(ways[way], body))
-                    if index:
-                        ttft[way].append(seconds)
-                long_body = {"model": model, "max_tokens": 4, "temperature": 0.0, "stream": True}
-                long_body["prompt"] = prompt(index * 10 + 9, long_words)
-                before = read_kv_transfer_counters(urls["decode"])
-                asyncio.run(first_token_s(ways["router_conditional"], long_body))
-                long_nixl.append((read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes)
-                print(f"request {index}/{requests}", file=sys.stderr, flush=True)
-            choices = httpx.get(f"{conditional_url}/metrics", timeout=10).text
+            yield model, urls, ways
         finally:
             router.terminate()
             router.wait(timeout=20)
             stop()
+
+
+def run(requests: int, threshold: int, short_words: int, long_words: int) -> dict[str, Any]:
+    with three_ways(threshold) as (model, urls, ways):
+        ttft: dict[str, list[float]] = {way: [] for way in WAYS}
+        long_nixl: list[float] = []
+        for index in range(requests + 1):  # the first round warms every way up: untimed
+            order = WAYS[index % 3 :] + WAYS[: index % 3]
+            for offset, way in enumerate(order):
+                body = {"model": model, "max_tokens": 4, "temperature": 0.0}
+                body.update(ignore_eos=True, stream=True)
+                body["prompt"] = prompt(index * 10 + offset, short_words)
+                seconds = asyncio.run(first_token_s(ways[way], body))
+                if index:
+                    ttft[way].append(seconds)
+            long_body = {"model": model, "max_tokens": 4, "temperature": 0.0, "stream": True}
+            long_body["prompt"] = prompt(index * 10 + 9, long_words)
+            before = read_kv_transfer_counters(urls["decode"])
+            asyncio.run(first_token_s(ways["router_conditional"], long_body))
+            long_nixl.append((read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes)
+            print(f"request {index}/{requests}", file=sys.stderr, flush=True)
+        choices = httpx.get(f"{ways['router_conditional']['router']}/metrics", timeout=10).text
     medians = {way: statistics.median(values) for way, values in ttft.items()}
     return {
         "requests": requests,

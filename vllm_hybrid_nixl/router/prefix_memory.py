@@ -33,8 +33,8 @@ class PromptChunks:
 
     keys: tuple[bytes, ...]
     tokens_per_chunk: int
-    units_per_chunk: int = 1
-    total_units: int = 1
+    units_per_chunk: int
+    total_units: int
 
     def cached_share(self, cached_tokens: int) -> float:
         """The share of the whole prompt that ``cached_tokens`` (as :class:`PrefixMemory`

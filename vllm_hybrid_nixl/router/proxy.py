@@ -550,12 +550,13 @@ class Disaggregator:
         prompt, or one mostly cached on a decode engine, runs colocated on a decode engine
         instead (``short_prompt_tokens``). The prompt is remembered as held by the decode
         engine that answered (for later ``cached_prefix`` choices)."""
+        memory = self.prefix_memory  # only with short_prompt_tokens set (build_app)
         chunks = None
-        if self.prefix_memory is not None and self.settings.short_prompt_tokens:
+        if memory is not None:
             chunks = prompt_chunks(body, chat=path.endswith("/chat/completions"))
         answer = await self._run(path, body, chunks)
-        if chunks is not None and self.prefix_memory is not None:
-            self.prefix_memory.remember(answer.decode.url, chunks)
+        if memory is not None and chunks is not None:
+            memory.remember(answer.decode.url, chunks)
         return answer
 
     async def _run(
