@@ -38,6 +38,14 @@ class _HybridWorkerMixin:
             vllm_config, self.engine_id, kv_cache_config
         )
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Binds the step's metadata, and has a prefill worker digest the blocks it names
+        now, before the step's forward (see ``DigestGuardMixin.digest_sources``)."""
+        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
+        digest_sources = getattr(self.connector_worker, "digest_sources", None)
+        if digest_sources is not None:
+            digest_sources(connector_metadata)
+
 
 class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_connector):
     """Pull-mode (READ) NIXL connector for hybrid models; the default."""

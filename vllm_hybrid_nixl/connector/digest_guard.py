@@ -295,10 +295,22 @@ class DigestGuardMixin:
 
     # ---- prefill rank ---------------------------------------------------------------------
 
+    def digest_sources(self, metadata: Any) -> None:
+        """Digest the blocks this step's metadata names (once: the names are taken off).
+        The connector calls this when the step's metadata is bound, before the forward:
+        vLLM 0.32 calls ``start_load_kv`` after launching the forward, which on CPU is after
+        the whole forward has run, and a decode engine waiting for these digests waited that
+        long (measured: up to 0.9 s behind a prefill of 4k tokens)."""
+        sources = getattr(metadata, SOURCES_ATTRIBUTE, None)
+        if self._digester is None or not sources:
+            return
+        setattr(metadata, SOURCES_ATTRIBUTE, None)
+        for req_id, blocks in sources.items():
+            self._digest_source(req_id, blocks)
+
     def start_load_kv(self, metadata: Any) -> Any:
         if self._digester is not None:
-            for req_id, blocks in (getattr(metadata, SOURCES_ATTRIBUTE, None) or {}).items():
-                self._digest_source(req_id, blocks)
+            self.digest_sources(metadata)  # done already where the connector bound it
             expect = getattr(metadata, EXPECT_ATTRIBUTE, None)
             if expect:
                 self._digest_expect.update(expect)

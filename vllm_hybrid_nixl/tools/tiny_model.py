@@ -49,6 +49,7 @@ class TinyModelSpec:
     max_positions: int = 2048
     seed: int = 0
     mamba_groups: int = 1  # NemotronH's n_groups (B/C groups): TP splits them when it divides
+    mlp_ratio: int = 2  # the MLP's width over hidden: compute per byte of KV grows with it
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:
@@ -105,7 +106,7 @@ def _mamba_config(spec: TinyModelSpec, vocab_size: int):
             num_attention_heads=spec.heads,
             num_key_value_heads=spec.kv_heads,
             head_dim=spec.hidden // spec.heads,
-            intermediate_size=spec.hidden * 2,
+            intermediate_size=spec.hidden * spec.mlp_ratio,
             max_position_embeddings=spec.max_positions,
             mamba_num_heads=8,
             mamba_head_dim=32,
@@ -150,7 +151,7 @@ def _config(spec: TinyModelSpec, vocab_size: int):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
-        intermediate_size=spec.hidden * 2,
+        intermediate_size=spec.hidden * spec.mlp_ratio,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,

@@ -1,0 +1,568 @@
+"""When does P/D win here? Goodput of three ways of serving the same model on the same two
+cores, under open-loop Poisson arrivals at rising rates, side by side in one run:
+
+- ``pd``: a prefill engine (core 0) and a decode engine (core 1), our router in front;
+- ``colocated_x2``: two engines without a KV connector (a core each), the same router in
+  front, every prompt under its ``--short-prompt-tokens`` threshold, so each request runs
+  whole on the less busy engine;
+- ``one_engine``: one engine on both cores, no router.
+
+Two arrival streams: prefill-heavy (prompts of 1-4k tokens, 64-256 output tokens) and
+decode-heavy (128-512 prompt tokens, 256-512 output tokens). At each rate the three ways get
+the same requests (prompts, lengths, arrival times), in an order that rotates rate by rate; no
+prompt repeats across rates, so no prefix-cache hits. Reported per way and rate, from the
+client: TTFT, time per output token (TPOT) and each request's longest gap between two
+streamed tokens (p50/p99); from the engines: inter-token latency
+(``vllm:inter_token_latency_seconds``, finer buckets) p50/p99 and the mean time of each
+stage (queue, scheduled to first token, NIXL read); the share of requests meeting both SLOs
+(TTFT, and no gap between tokens longer than a stated bound: the stall a reader sees while
+another prompt prefills on the same engine), goodput (the highest rate with >= 90% within
+SLO) and the crossover rate between ``pd`` and ``colocated_x2``.
+
+The model: a tiny random-weight sliding-window/full-attention hybrid shaped so that its
+compute per byte of KV is that of a real GQA model (few KV heads, a wide MLP; see
+``goodput_stats.LLAMA3_8B``), not a toy's.
+
+    python -m bench.goodput [--requests 24] [--workloads prefill_heavy decode_heavy]
+
+Writes ``goodput.json`` and ``goodput.png`` under ``--out`` (``bench/results/``) and the
+headline into ``latest.json`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.end_to_end import PACED, RESULTS, percentile, wait_for_health
+from bench.goodput_stats import (
+    ATTAINMENT_GOAL,
+    LLAMA3_8B,
+    Sample,
+    Shape,
+    attainment,
+    crossover_rate,
+    goodput_rate,
+    histogram_delta,
+    histogram_quantile,
+    mean_delta,
+    summed_buckets,
+)
+
+WAYS = ("pd", "colocated_x2", "one_engine")
+ITL_METRIC = "vllm:inter_token_latency_seconds"
+#: Finer than vLLM's default ITL buckets (10, 25, 50, 75, 100 ms ...): p50/p99 read from them.
+ITL_BUCKETS = [i / 1000 for i in (*range(2, 40, 2), *range(40, 100, 5), *range(100, 300, 20))]
+ITL_BUCKETS += [0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0]
+MAX_MODEL_LEN = 4608
+#: Every prompt runs colocated under this threshold (``colocated_x2``'s router).
+EVERYTHING = 10**9
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_tokens: tuple[int, int]  # uniform, inclusive
+    output_tokens: tuple[int, int]
+    rates: tuple[float, ...]  # requests per second, rising
+    ttft_slo_s: float
+    gap_slo_s: float  # the longest wait between two streamed tokens a request may see
+
+
+WORKLOADS = {
+    "prefill_heavy": Workload(
+        "prefill_heavy", (1024, 4096), (64, 256), (0.25, 0.5, 0.75, 1.0, 1.25), 4.0, 0.3
+    ),
+    "decode_heavy": Workload(
+        "decode_heavy", (128, 512), (256, 512), (0.5, 1.0, 1.5, 2.0), 2.0, 0.3
+    ),
+}
+
+
+def bench_model_spec():
+    """The model: llama-hybrid (sliding window 128 on every other layer), hidden 768, 12
+    query heads and 1 KV head of 64, an MLP 6x as wide."""
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec
+
+    return TinyModelSpec(
+        arch="llama-hybrid", layers=4, hidden=768, heads=12, kv_heads=1, mlp_ratio=6,
+        sliding_window=128, max_positions=MAX_MODEL_LEN,
+    )  # fmt: skip
+
+
+def model_shape(spec) -> Shape:
+    return Shape(
+        hidden=spec.hidden,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        intermediate=spec.hidden * spec.mlp_ratio,
+    )
+
+
+@dataclass(frozen=True)
+class Request:
+    at_s: float  # arrival, from the run's start
+    prompt: list[int]  # token ids: exact lengths, no tokenizer round trip
+    output_tokens: int
+
+
+def arrivals(workload: Workload, rate: float, count: int, seed: int, vocab: int) -> list[Request]:
+    """``count`` requests arriving as a Poisson process of ``rate`` per second, with
+    uniform prompt and output lengths; random token ids, so no two prompts share a block."""
+    rng = random.Random(seed)
+    at, requests = 0.0, []
+    for _ in range(count):
+        at += rng.expovariate(rate)
+        length = rng.randint(*workload.prompt_tokens)
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        requests.append(Request(at, prompt, rng.randint(*workload.output_tokens)))
+    return requests
+
+
+@dataclass
+class Way:
+    name: str
+    url: str  # where its clients post
+    engines: list[str] = field(default_factory=list)  # whose histograms count
+    roles: list[str] = field(default_factory=list)  # a name for each of engines
+
+
+def _engine(model: str, role: str, cores: int | list[int], log: Path):
+    from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
+    from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+
+    args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
+    args += ["--custom-histogram-buckets", json.dumps({"inter_token_latency": ITL_BUCKETS})]
+    spec = EngineSpec(
+        model=model,
+        port=free_port(),
+        role=role,
+        side_channel_port=free_side_channel_port(),
+        cpu_core=cores,
+        extra_args=args,
+        kv_extra_config=dict(PACED) if role != "none" else {},
+    )
+    return EngineProcess(spec, log).start()
+
+
+def _router(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    from vllm_hybrid_nixl.common.netutil import free_port
+    from vllm_hybrid_nixl.common.processes import die_with_parent
+    from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
+
+    port = free_port()
+    script = str(Path(sys.executable).with_name("vllm-hybrid-nixl"))
+    command = [script, "router", "--port", str(port), *args]
+    command += ["--keepalive-expiry-s", str(router_keep_alive_s({}))]
+    with open(log, "wb") as out:
+        router = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_for_health(url, [router], timeout_s=120)
+    return router, url
+
+
+@contextmanager
+def three_ways(model: str, log_dir: Path) -> Iterator[dict[str, Way]]:
+    """Five engines and two routers, all up at once (an idle engine costs its core ~2%:
+    NIXL's progress thread is paced): the ways of serving by name."""
+    engines: dict[str, Any] = {}
+    routers: list[subprocess.Popen] = []
+    try:
+        plan = {
+            "pd_prefill": ("prefill", 0), "pd_decode": ("decode", 1),
+            "colocated_a": ("none", 0), "colocated_b": ("none", 1), "one": ("none", [0, 1]),
+        }  # fmt: skip
+        for name, (role, cores) in plan.items():
+            engines[name] = _engine(model, role, cores, log_dir / f"{name}.log")
+        for name, engine in engines.items():
+            progress(f"waiting for engine {name}")
+            engine.wait_healthy(timeout_s=900)
+        url = {name: engine.spec.url for name, engine in engines.items()}
+        pd_router, pd_url = _router(
+            ["--prefill", url["pd_prefill"], "--decode", url["pd_decode"]],
+            log_dir / "router_pd.log",
+        )
+        routers.append(pd_router)
+        # Two colocated engines behind the same router: the first is also named as the
+        # (never used) prefill engine the router requires; every prompt is "short".
+        colocated_router, colocated_url = _router(
+            ["--prefill", url["colocated_a"], "--decode", url["colocated_a"],
+             "--decode", url["colocated_b"], "--short-prompt-tokens", str(EVERYTHING)],
+            log_dir / "router_colocated.log",
+        )  # fmt: skip
+        routers.append(colocated_router)
+        yield {
+            "pd": Way("pd", pd_url, [url["pd_prefill"], url["pd_decode"]], ["prefill", "decode"]),
+            "colocated_x2": Way(
+                "colocated_x2",
+                colocated_url,
+                [url["colocated_a"], url["colocated_b"]],
+                ["engine_a", "engine_b"],
+            ),  # fmt: skip
+            "one_engine": Way("one_engine", url["one"], [url["one"]], ["engine"]),
+        }
+    finally:
+        for router in routers:
+            router.terminate()
+            router.wait(timeout=20)
+        for engine in engines.values():
+            engine.stop()
+
+
+def progress(message: str) -> None:
+    print(f"[goodput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+#: Histograms whose means split a request's time per engine: to the first token, waiting to
+#: be scheduled, from scheduled to the first token, and (decode engines) NIXL reads.
+STAGES = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "nixl_read": "vllm:nixl_xfer_time_seconds",
+}
+
+
+@dataclass
+class Scrape:
+    """One engine's ``/metrics`` at a moment: ITL buckets (upper bound -> cumulative count)
+    and, per stage, its histogram's (sum, count); label sets summed."""
+
+    itl: dict[float, float] = field(default_factory=dict)
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def scrape(engine_url: str) -> Scrape:
+    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    found = Scrape()
+    by_metric = {metric: stage for stage, metric in STAGES.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{ITL_METRIC}_bucket":
+                bound = float(sample.labels["le"])
+                found.itl[bound] = found.itl.get(bound, 0.0) + sample.value
+            for suffix, slot in (("_sum", 0), ("_count", 1)):
+                stage = by_metric.get(sample.name.removesuffix(suffix))
+                if stage and sample.name.endswith(suffix):
+                    pair = list(found.stages.get(stage, (0.0, 0.0)))
+                    pair[slot] += sample.value
+                    found.stages[stage] = (pair[0], pair[1])
+    return found
+
+
+def stage_means_ms(before: Scrape, after: Scrape) -> dict[str, float]:
+    """Mean milliseconds per request of each stage the engine observed between two scrapes."""
+    means = {}
+    for stage, pair in after.stages.items():
+        mean = mean_delta(before.stages.get(stage, (0.0, 0.0)), pair)
+        if not math.isnan(mean):
+            means[stage] = round(mean * 1e3, 1)
+    return means
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, request: Request) -> Sample:
+    body = {
+        "model": model, "prompt": request.prompt, "max_tokens": request.output_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    started = time.perf_counter()
+    seen: list[float] = []  # when each event carrying text arrived
+    tokens = request.output_tokens
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            progress(f"HTTP {response.status_code} from {url}: {response.text[:200]}")
+            return Sample(None)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in event.get("choices", [])):
+                seen.append(time.perf_counter() - started)
+    if not seen:
+        return Sample(None)
+    gaps = [later - earlier for earlier, later in zip(seen, seen[1:], strict=False)]
+    tpot = (seen[-1] - seen[0]) / (tokens - 1) if tokens > 1 else 0.0
+    return Sample(seen[0], tpot, max(gaps, default=0.0))
+
+
+async def run_stream(
+    url: str, model: str, requests: list[Request], tail_s: float
+) -> tuple[list[Sample], float]:
+    """Sends each request at its arrival time (open loop); requests still running
+    ``tail_s`` after the last arrival are cancelled and count as missing their SLOs.
+    Returns the samples in arrival order and the run's seconds."""
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        started = time.perf_counter()
+
+        async def at_arrival(request: Request) -> Sample:
+            await asyncio.sleep(max(0.0, request.at_s - (time.perf_counter() - started)))
+            try:
+                return await _one(client, url, model, request)
+            except httpx.HTTPError as exc:
+                progress(f"{type(exc).__name__} from {url}: {exc}")
+                return Sample(None)
+
+        tasks = [asyncio.create_task(at_arrival(r)) for r in requests]
+        deadline = requests[-1].at_s + tail_s
+        _, pending = await asyncio.wait(tasks, timeout=deadline)
+        for task in pending:
+            task.cancel()  # closing the stream aborts the request in vLLM
+        await asyncio.gather(*pending, return_exceptions=True)
+        samples = [Sample(None) if t.cancelled() else t.result() for t in tasks]
+        return samples, time.perf_counter() - started
+
+
+def summarize_run(
+    samples: list[Sample], workload: Workload, itl: dict[float, float], seconds: float
+) -> dict[str, Any]:
+    done = [s for s in samples if s.finished]
+    ttft = [s.ttft_s for s in done if s.ttft_s is not None]
+    tpot = [s.tpot_s for s in done if s.tpot_s is not None]
+    gaps = [s.max_gap_s for s in done if s.max_gap_s is not None]
+    return {
+        "requests": len(samples),
+        "finished": len(done),
+        "seconds": round(seconds, 1),
+        "slo_attainment": attainment(samples, workload.ttft_slo_s, workload.gap_slo_s),
+        "within_ttft_slo": sum(1 for t in ttft if t <= workload.ttft_slo_s) / len(samples),
+        "within_gap_slo": sum(1 for g in gaps if g <= workload.gap_slo_s) / len(samples),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "tpot_p99_ms": percentile(tpot, 99) * 1e3,
+        "max_gap_p50_ms": percentile(gaps, 50) * 1e3,
+        "max_gap_p99_ms": percentile(gaps, 99) * 1e3,
+        "engine_itl_p50_ms": histogram_quantile(itl, 0.50) * 1e3,
+        "engine_itl_p99_ms": histogram_quantile(itl, 0.99) * 1e3,
+        "engine_itl_count": itl.get(math.inf, 0.0),
+        "ttft_s": ttft,
+        "max_gap_ms": [g * 1e3 for g in gaps],
+    }
+
+
+def measure(
+    ways: dict[str, Way], model: str, workload: Workload, count: int, tail_s: float,
+    vocab: int, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    by_rate: dict[str, dict[str, Any]] = {}
+    for index, rate in enumerate(workload.rates):
+        requests = arrivals(workload, rate, count, seed=seed * 1000 + index, vocab=vocab)
+        order = WAYS[index % len(WAYS) :] + WAYS[: index % len(WAYS)]
+        row: dict[str, Any] = {}
+        for name in order:
+            way = ways[name]
+            before = [scrape(url) for url in way.engines]
+            progress(f"{workload.name} at {rate}/s: {name} ({count} requests)")
+            samples, seconds = asyncio.run(run_stream(way.url, model, requests, tail_s))
+            after = [scrape(url) for url in way.engines]
+            pairs = list(zip(before, after, strict=True))
+            itl = summed_buckets(histogram_delta(b.itl, a.itl) for b, a in pairs)
+            row[name] = summarize_run(samples, workload, itl, seconds)
+            row[name]["engine_stage_means_ms"] = {
+                role: stage_means_ms(b, a) for role, (b, a) in zip(way.roles, pairs, strict=True)
+            }
+            progress(
+                f"  {name}: {row[name]['finished']}/{count} finished, within SLO "
+                f"{row[name]['slo_attainment']:.0%}, TTFT p50 {row[name]['ttft_p50_s']:.2f} s, "
+                f"engine ITL p99 {row[name]['engine_itl_p99_ms']:.0f} ms"
+            )
+        by_rate[str(rate)] = row
+    rates = list(workload.rates)
+    share = {w: [by_rate[str(r)][w]["slo_attainment"] for r in rates] for w in WAYS}
+    return {
+        "workload": workload.__dict__,
+        "requests_per_rate": count,
+        "by_rate": by_rate,
+        "goodput_rps": {w: goodput_rate(list(zip(rates, share[w], strict=True))) for w in WAYS},
+        "crossover_rps_pd_vs_colocated_x2": crossover_rate(
+            rates, share["pd"], share["colocated_x2"]
+        ),
+    }
+
+
+def warm_up(ways: dict[str, Way], model: str, vocab: int) -> None:
+    """Two untimed requests per way (P/D's first one makes the NIXL handshake)."""
+    warm = Workload("warm-up", (200, 200), (4, 4), (1.0,), math.inf, math.inf)
+    for way in ways.values():
+        requests = arrivals(warm, 1.0, 2, seed=999_999, vocab=vocab)
+        samples, _ = asyncio.run(run_stream(way.url, model, requests, tail_s=300))
+        if any(s.ttft_s is None for s in samples):
+            raise RuntimeError(f"{way.name}: a warm-up request failed; see the logs")
+
+
+def run(
+    workloads: list[Workload], count: int, tail_s: float, seed: int, log_dir: Path
+) -> dict[str, Any]:
+    from vllm_hybrid_nixl.tools.tiny_model import build_tiny_model
+
+    spec = bench_model_spec()
+    model = str(build_tiny_model(log_dir / "model", spec))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    shape = model_shape(spec)
+    result: dict[str, Any] = {
+        "model": {**spec.__dict__, "shape": shape.summary()},
+        "real_model_for_comparison": {"llama-3-8b": LLAMA3_8B.summary()},
+        "ways": list(WAYS),
+        "attainment_goal": ATTAINMENT_GOAL,
+        "workloads": {},
+    }
+    with three_ways(model, log_dir) as ways:
+        warm_up(ways, model, vocab)
+        for number, workload in enumerate(workloads):
+            result["workloads"][workload.name] = measure(
+                ways, model, workload, count, tail_s, vocab, seed + number
+            )
+    return result
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """Goodput of P/D over two colocated engines, and the crossover rate, per workload."""
+    top: dict[str, Any] = {}
+    for name, workload in result["workloads"].items():
+        goodput = workload["goodput_rps"]
+        base = goodput["colocated_x2"]
+        top[f"goodput_{name}_pd_rps"] = goodput["pd"]
+        top[f"goodput_{name}_colocated_x2_rps"] = base
+        top[f"goodput_{name}_pd_vs_colocated_x2"] = goodput["pd"] / base if base else None
+        top[f"goodput_{name}_crossover_rps"] = workload["crossover_rps_pd_vs_colocated_x2"]
+    return top
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    for name, workload in result["workloads"].items():
+        spec = workload["workload"]
+        lines.append(
+            f"{name}: prompts {spec['prompt_tokens']} tokens, outputs {spec['output_tokens']}, "
+            f"SLO TTFT <= {spec['ttft_slo_s']} s and no gap between tokens over "
+            f"{spec['gap_slo_s'] * 1e3:.0f} ms"
+        )
+        lines.append(
+            f"{'rate/s':>7} {'way':>13} {'in SLO':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'gap p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+        )
+        for rate, row in workload["by_rate"].items():
+            for way in WAYS:
+                r = row[way]
+                lines.append(
+                    f"{rate:>7} {way:>13} {r['slo_attainment']:>7.0%} {r['ttft_p50_s']:>8.2f}s "
+                    f"{r['ttft_p99_s']:>8.2f}s {r['max_gap_p99_ms']:>7.0f}ms "
+                    f"{r['engine_itl_p50_ms']:>6.0f}ms {r['engine_itl_p99_ms']:>6.0f}ms"
+                )
+        goodput = ", ".join(f"{w} {v:g}/s" for w, v in workload["goodput_rps"].items())
+        lines.append(
+            f"goodput (>= {result['attainment_goal']:.0%} in SLO): {goodput}; crossover "
+            f"P/D vs colocated x2: {workload['crossover_rps_pd_vs_colocated_x2']}"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Per workload: SLO attainment, TTFT p99, the p99 of each request's longest gap between
+    tokens and the engines' ITL p99 against the arrival rate, one line per way (needs
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["workloads"])
+    fig, axes = plt.subplots(len(names), 4, figsize=(18, 3.8 * len(names)), squeeze=False)
+    for row_axes, name in zip(axes, names, strict=True):
+        workload = result["workloads"][name]
+        rates = [float(r) for r in workload["by_rate"]]
+        for way in WAYS:
+            rows = [workload["by_rate"][r][way] for r in workload["by_rate"]]
+            row_axes[0].plot(rates, [100 * r["slo_attainment"] for r in rows], "o-", label=way)
+            row_axes[1].plot(rates, [r["ttft_p99_s"] for r in rows], "o-", label=way)
+            row_axes[2].plot(rates, [r["max_gap_p99_ms"] for r in rows], "o-", label=way)
+            row_axes[3].plot(rates, [r["engine_itl_p99_ms"] for r in rows], "o-", label=way)
+        spec = workload["workload"]
+        row_axes[0].axhline(100 * result["attainment_goal"], color="grey", linestyle=":")
+        row_axes[0].set(xlabel="arrivals per second", ylabel="% within SLO", title=name)
+        row_axes[1].axhline(spec["ttft_slo_s"], color="grey", linestyle=":")
+        row_axes[1].set(xlabel="arrivals per second", ylabel="TTFT p99 (s)", yscale="log")
+        row_axes[2].axhline(spec["gap_slo_s"] * 1e3, color="grey", linestyle=":")
+        row_axes[2].set(xlabel="arrivals per second", ylabel="longest token gap p99 (ms)")
+        row_axes[3].set(xlabel="arrivals per second", ylabel="engine ITL p99 (ms)")
+        for axis in row_axes:
+            axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=24, help="requests per way and rate")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--rates", type=float, nargs="+", help="override every workload's rates")
+    parser.add_argument(
+        "--tail-s", type=float, default=90.0,
+        help="seconds after the last arrival before unfinished requests are cancelled (missed)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = parser.parse_args()
+    workloads = [WORKLOADS[name] for name in args.workloads]
+    if args.rates:
+        workloads = [Workload(**{**w.__dict__, "rates": tuple(args.rates)}) for w in workloads]
+    started = time.monotonic()
+    log_dir = Path(tempfile.mkdtemp(prefix="goodput-"))
+    progress(f"model, engine and router logs under {log_dir} (removed after a clean run)")
+    result = run(workloads, args.requests, args.tail_s, args.seed, log_dir)
+    shutil.rmtree(log_dir)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    result["headline"] = headline(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "goodput.png")
+    refresh_latest(result["headline"], args.out / "latest.json")
+    print(table(result))
+    return 0
+
+
+def refresh_latest(top: dict[str, Any], path: Path) -> None:
+    """Put this run's goodput figures into ``latest.json``, dated and with their commit."""
+    import datetime as dt
+
+    from bench.__main__ import commit
+
+    latest = json.loads(path.read_text()) if path.exists() else {}
+    latest.update(top)
+    latest["goodput_date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    latest["goodput_commit"] = commit()
+    path.write_text(json.dumps(latest, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
