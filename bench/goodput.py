@@ -1,14 +1,16 @@
-"""When does P/D win here? Goodput of three ways of serving the same model on the same two
+"""When does P/D win here? Goodput of ways of serving the same model on the same two
 cores, under open-loop Poisson arrivals at rising rates, side by side in one run:
 
 - ``pd``: a prefill engine (core 0) and a decode engine (core 1), our router in front;
 - ``colocated_x2``: two engines without a KV connector (a core each), the same router in
   front, every prompt under its ``--short-prompt-tokens`` threshold, so each request runs
   whole on the less busy engine;
-- ``one_engine``: one engine on both cores, no router.
+- ``one_engine``: one engine on both cores, no router;
+- ``colocated_x2_small_chunks`` (only with ``--ways``): ``colocated_x2`` tuned for short
+  stalls, 512 prompt tokens per step instead of vLLM's CPU default of 2048.
 
 Two arrival streams: prefill-heavy (prompts of 1-4k tokens, 64-256 output tokens) and
-decode-heavy (128-512 prompt tokens, 256-512 output tokens). At each rate the three ways get
+decode-heavy (128-512 prompt tokens, 256-512 output tokens). At each rate the ways get
 the same requests (prompts, lengths, arrival times), in an order that rotates rate by rate; no
 prompt repeats across rates, so no prefix-cache hits. Reported per way and rate, from the
 client: TTFT, time per output token (TPOT) and each request's longest gap between two
@@ -17,16 +19,18 @@ streamed tokens (p50/p99); from the engines: inter-token latency
 stage (queue, scheduled to first token, NIXL read); the share of requests meeting both SLOs
 (TTFT, and no gap between tokens longer than a stated bound: the stall a reader sees while
 another prompt prefills on the same engine), goodput (the highest rate with >= 90% within
-SLO) and the crossover rate between ``pd`` and ``colocated_x2``.
+SLO) and the crossover rate between ``pd`` and each colocated way.
 
 The model: a tiny random-weight sliding-window/full-attention hybrid shaped so that its
 compute per byte of KV is that of a real GQA model (few KV heads, a wide MLP; see
 ``goodput_stats.LLAMA3_8B``), not a toy's.
 
-    python -m bench.goodput [--requests 24] [--workloads prefill_heavy decode_heavy]
+    python -m bench.goodput [--requests 20] [--workloads prefill_heavy decode_heavy]
+    python -m bench.goodput --workloads prefill_heavy --stem goodput_chunks \
+        --ways pd colocated_x2 colocated_x2_small_chunks
 
-Writes ``goodput.json`` and ``goodput.png`` under ``--out`` (``bench/results/``) and the
-headline into ``latest.json`` there.
+Writes ``STEM.json`` and ``STEM.png`` under ``--out`` (``bench/results/``); the default stem
+(``goodput``) also puts the headline into ``latest.json`` there.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from bench.goodput_stats import (
     summed_buckets,
 )
 
-WAYS = ("pd", "colocated_x2", "one_engine")
+WAYS = ("pd", "colocated_x2", "one_engine")  # the default run; see PLANS for one more
 ITL_METRIC = "vllm:inter_token_latency_seconds"
 #: Finer than vLLM's default ITL buckets (10, 25, 50, 75, 100 ms ...): p50/p99 read from them.
 ITL_BUCKETS = [i / 1000 for i in (*range(2, 40, 2), *range(40, 100, 5), *range(100, 300, 20))]
@@ -88,10 +92,10 @@ class Workload:
 
 WORKLOADS = {
     "prefill_heavy": Workload(
-        "prefill_heavy", (1024, 4096), (64, 256), (0.25, 0.5, 0.75, 1.0, 1.25), 4.0, 0.3
+        "prefill_heavy", (1024, 4096), (64, 256), (0.25, 0.5, 0.75, 1.0), 4.0, 0.3
     ),
     "decode_heavy": Workload(
-        "decode_heavy", (128, 512), (256, 512), (0.5, 1.0, 1.5, 2.0), 2.0, 0.3
+        "decode_heavy", (128, 512), (256, 512), (0.5, 1.0, 2.0, 3.0), 2.0, 0.3
     ),
 }
 
@@ -145,12 +149,13 @@ class Way:
     roles: list[str] = field(default_factory=list)  # a name for each of engines
 
 
-def _engine(model: str, role: str, cores: int | list[int], log: Path):
+def _engine(model: str, role: str, cores: int | list[int], log: Path, extra: list[str]):
     from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
 
     args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
     args += ["--custom-histogram-buckets", json.dumps({"inter_token_latency": ITL_BUCKETS})]
+    args += extra
     spec = EngineSpec(
         model=model,
         port=free_port(),
@@ -182,46 +187,57 @@ def _router(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     return router, url
 
 
-@contextmanager
-def three_ways(model: str, log_dir: Path) -> Iterator[dict[str, Way]]:
-    """Five engines and two routers, all up at once (an idle engine costs its core ~2%:
-    NIXL's progress thread is paced): the ways of serving by name."""
-    engines: dict[str, Any] = {}
-    routers: list[subprocess.Popen] = []
-    try:
-        plan = {
-            "pd_prefill": ("prefill", 0), "pd_decode": ("decode", 1),
-            "colocated_a": ("none", 0), "colocated_b": ("none", 1), "one": ("none", [0, 1]),
-        }  # fmt: skip
-        for name, (role, cores) in plan.items():
-            engines[name] = _engine(model, role, cores, log_dir / f"{name}.log")
-        for name, engine in engines.items():
-            progress(f"waiting for engine {name}")
-            engine.wait_healthy(timeout_s=900)
-        url = {name: engine.spec.url for name, engine in engines.items()}
-        pd_router, pd_url = _router(
-            ["--prefill", url["pd_prefill"], "--decode", url["pd_decode"]],
-            log_dir / "router_pd.log",
-        )
-        routers.append(pd_router)
+#: Each way's engines (role, cores, extra ``vllm serve`` flags) and how its router, if it has
+#: one, is told of them. ``colocated_x2_small_chunks`` is the colocated pair tuned for short
+#: stalls: 512 tokens per step (vLLM's CPU default: 2048), so a long prompt prefills in
+#: more, shorter steps beside the other requests' decoding.
+SMALL_CHUNKS = ["--max-num-batched-tokens", "512"]
+PLANS: dict[str, dict[str, tuple[str, int | list[int], list[str]]]] = {
+    "pd": {"prefill": ("prefill", 0, []), "decode": ("decode", 1, [])},
+    "colocated_x2": {"engine_a": ("none", 0, []), "engine_b": ("none", 1, [])},
+    "colocated_x2_small_chunks": {
+        "engine_a": ("none", 0, SMALL_CHUNKS),
+        "engine_b": ("none", 1, SMALL_CHUNKS),
+    },
+    "one_engine": {"engine": ("none", [0, 1], [])},
+}
+
+
+def _router_args(way: str, urls: dict[str, str]) -> list[str] | None:
+    if way == "pd":
+        return ["--prefill", urls["prefill"], "--decode", urls["decode"]]
+    if way.startswith("colocated_x2"):
         # Two colocated engines behind the same router: the first is also named as the
         # (never used) prefill engine the router requires; every prompt is "short".
-        colocated_router, colocated_url = _router(
-            ["--prefill", url["colocated_a"], "--decode", url["colocated_a"],
-             "--decode", url["colocated_b"], "--short-prompt-tokens", str(EVERYTHING)],
-            log_dir / "router_colocated.log",
-        )  # fmt: skip
-        routers.append(colocated_router)
-        yield {
-            "pd": Way("pd", pd_url, [url["pd_prefill"], url["pd_decode"]], ["prefill", "decode"]),
-            "colocated_x2": Way(
-                "colocated_x2",
-                colocated_url,
-                [url["colocated_a"], url["colocated_b"]],
-                ["engine_a", "engine_b"],
-            ),  # fmt: skip
-            "one_engine": Way("one_engine", url["one"], [url["one"]], ["engine"]),
-        }
+        return ["--prefill", urls["engine_a"], "--decode", urls["engine_a"],
+                "--decode", urls["engine_b"], "--short-prompt-tokens", str(EVERYTHING)]  # fmt: skip
+    return None  # one engine: clients talk to it
+
+
+@contextmanager
+def serving_ways(model: str, log_dir: Path, names: list[str]) -> Iterator[dict[str, Way]]:
+    """Every engine and router of the named ways, all up at once (an idle engine costs its
+    core ~2%: NIXL's progress thread is paced): the ways by name."""
+    engines: dict[tuple[str, str], Any] = {}
+    routers: list[subprocess.Popen] = []
+    try:
+        for way in names:
+            for role, (kv_role, cores, extra) in PLANS[way].items():
+                log = log_dir / f"{way}-{role}.log"
+                engines[way, role] = _engine(model, kv_role, cores, log, extra)
+        for (way, role), engine in engines.items():
+            progress(f"waiting for engine {way}/{role}")
+            engine.wait_healthy(timeout_s=900)
+        ways = {}
+        for way in names:
+            urls = {role: engines[way, role].spec.url for role in PLANS[way]}
+            args = _router_args(way, urls)
+            url = urls["engine"] if args is None else None
+            if args is not None:
+                router, url = _router(args, log_dir / f"{way}-router.log")
+                routers.append(router)
+            ways[way] = Way(way, str(url), list(urls.values()), list(urls))
+        yield ways
     finally:
         for router in routers:
             router.terminate()
@@ -371,9 +387,10 @@ def measure(
     vocab: int, seed: int,
 ) -> dict[str, Any]:  # fmt: skip
     by_rate: dict[str, dict[str, Any]] = {}
+    names = list(ways)
     for index, rate in enumerate(workload.rates):
         requests = arrivals(workload, rate, count, seed=seed * 1000 + index, vocab=vocab)
-        order = WAYS[index % len(WAYS) :] + WAYS[: index % len(WAYS)]
+        order = names[index % len(names) :] + names[: index % len(names)]
         row: dict[str, Any] = {}
         for name in order:
             way = ways[name]
@@ -394,15 +411,17 @@ def measure(
             )
         by_rate[str(rate)] = row
     rates = list(workload.rates)
-    share = {w: [by_rate[str(r)][w]["slo_attainment"] for r in rates] for w in WAYS}
+    share = {w: [by_rate[str(r)][w]["slo_attainment"] for r in rates] for w in names}
     return {
         "workload": workload.__dict__,
         "requests_per_rate": count,
         "by_rate": by_rate,
-        "goodput_rps": {w: goodput_rate(list(zip(rates, share[w], strict=True))) for w in WAYS},
-        "crossover_rps_pd_vs_colocated_x2": crossover_rate(
-            rates, share["pd"], share["colocated_x2"]
-        ),
+        "goodput_rps": {w: goodput_rate(list(zip(rates, share[w], strict=True))) for w in names},
+        "crossover_rps_pd_vs": {
+            other: crossover_rate(rates, share["pd"], share[other])
+            for other in names
+            if other.startswith("colocated") and "pd" in share
+        },
     }
 
 
@@ -417,8 +436,9 @@ def warm_up(ways: dict[str, Way], model: str, vocab: int) -> None:
 
 
 def run(
-    workloads: list[Workload], count: int, tail_s: float, seed: int, log_dir: Path
-) -> dict[str, Any]:
+    workloads: list[Workload], names: list[str], count: int, tail_s: float, seed: int,
+    log_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
     from vllm_hybrid_nixl.tools.tiny_model import build_tiny_model
 
     spec = bench_model_spec()
@@ -428,11 +448,11 @@ def run(
     result: dict[str, Any] = {
         "model": {**spec.__dict__, "shape": shape.summary()},
         "real_model_for_comparison": {"llama-3-8b": LLAMA3_8B.summary()},
-        "ways": list(WAYS),
+        "ways": {name: PLANS[name] for name in names},
         "attainment_goal": ATTAINMENT_GOAL,
         "workloads": {},
     }
-    with three_ways(model, log_dir) as ways:
+    with serving_ways(model, log_dir, names) as ways:
         warm_up(ways, model, vocab)
         for number, workload in enumerate(workloads):
             result["workloads"][workload.name] = measure(
@@ -442,15 +462,17 @@ def run(
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """Goodput of P/D over two colocated engines, and the crossover rate, per workload."""
+    """Per workload: each way's goodput, P/D's over each colocated way's, and the crossover
+    rate between them."""
     top: dict[str, Any] = {}
     for name, workload in result["workloads"].items():
         goodput = workload["goodput_rps"]
-        base = goodput["colocated_x2"]
-        top[f"goodput_{name}_pd_rps"] = goodput["pd"]
-        top[f"goodput_{name}_colocated_x2_rps"] = base
-        top[f"goodput_{name}_pd_vs_colocated_x2"] = goodput["pd"] / base if base else None
-        top[f"goodput_{name}_crossover_rps"] = workload["crossover_rps_pd_vs_colocated_x2"]
+        for way, rate in goodput.items():
+            top[f"goodput_{name}_{way}_rps"] = rate
+        for other, crossover in workload["crossover_rps_pd_vs"].items():
+            base = goodput[other]
+            top[f"goodput_{name}_pd_vs_{other}"] = goodput["pd"] / base if base else None
+            top[f"goodput_{name}_crossover_rps_vs_{other}"] = crossover
     return top
 
 
@@ -468,8 +490,7 @@ def table(result: dict[str, Any]) -> str:
             f"{'gap p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
         )
         for rate, row in workload["by_rate"].items():
-            for way in WAYS:
-                r = row[way]
+            for way, r in row.items():
                 lines.append(
                     f"{rate:>7} {way:>13} {r['slo_attainment']:>7.0%} {r['ttft_p50_s']:>8.2f}s "
                     f"{r['ttft_p99_s']:>8.2f}s {r['max_gap_p99_ms']:>7.0f}ms "
@@ -478,7 +499,7 @@ def table(result: dict[str, Any]) -> str:
         goodput = ", ".join(f"{w} {v:g}/s" for w, v in workload["goodput_rps"].items())
         lines.append(
             f"goodput (>= {result['attainment_goal']:.0%} in SLO): {goodput}; crossover "
-            f"P/D vs colocated x2: {workload['crossover_rps_pd_vs_colocated_x2']}"
+            f"rate of P/D against: {workload['crossover_rps_pd_vs']}"
         )
     return "\n".join(lines)
 
@@ -499,7 +520,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     for row_axes, name in zip(axes, names, strict=True):
         workload = result["workloads"][name]
         rates = [float(r) for r in workload["by_rate"]]
-        for way in WAYS:
+        for way in result["ways"]:
             rows = [workload["by_rate"][r][way] for r in workload["by_rate"]]
             row_axes[0].plot(rates, [100 * r["slo_attainment"] for r in rows], "o-", label=way)
             row_axes[1].plot(rates, [r["ttft_p99_s"] for r in rows], "o-", label=way)
@@ -521,32 +542,52 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def smoke_version(workload: Workload) -> Workload:
+    return Workload(workload.name, (64, 256), (4, 8), (2.0,), workload.ttft_slo_s,
+                    workload.gap_slo_s)  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=24, help="requests per way and rate")
+    parser.add_argument("--requests", type=int, default=20, help="requests per way and rate")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--rates", type=float, nargs="+", help="override every workload's rates")
+    parser.add_argument(
+        "--ways", nargs="+", choices=list(PLANS), default=list(WAYS),
+        help="ways of serving to compare, side by side (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--stem", default="goodput", help="results file names: STEM.json, STEM.png")
     parser.add_argument(
         "--tail-s", type=float, default=90.0,
         help="seconds after the last arrival before unfinished requests are cancelled (missed)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="every part at its smallest (short prompts and outputs, one rate, 3 requests): "
+        "checks the bench runs, measures nothing",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args()
     workloads = [WORKLOADS[name] for name in args.workloads]
+    if args.smoke:
+        workloads = [smoke_version(w) for w in workloads]
+        args.requests = min(args.requests, 3)
     if args.rates:
         workloads = [Workload(**{**w.__dict__, "rates": tuple(args.rates)}) for w in workloads]
     started = time.monotonic()
     log_dir = Path(tempfile.mkdtemp(prefix="goodput-"))
     progress(f"model, engine and router logs under {log_dir} (removed after a clean run)")
-    result = run(workloads, args.requests, args.tail_s, args.seed, log_dir)
+    result = run(workloads, args.ways, args.requests, args.tail_s, args.seed, log_dir)
     shutil.rmtree(log_dir)
     result["seconds"] = round(time.monotonic() - started, 1)
     result["headline"] = headline(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "goodput.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "goodput.png")
-    refresh_latest(result["headline"], args.out / "latest.json")
+    name = f"{args.stem}_smoke" if args.smoke else args.stem  # a smoke run keeps the results
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / f"{name}.png")
+    if not args.smoke and args.stem == "goodput":
+        refresh_latest(result["headline"], args.out / "latest.json")
     print(table(result))
     return 0
 

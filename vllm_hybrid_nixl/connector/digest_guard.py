@@ -1,10 +1,11 @@
 """The end-to-end KV digest, on both workers: the decode engine samples only from KV whose
 bytes are the bytes the prefill engine computed.
 
-Prefill worker (every rank): the step after a request finishes with its blocks kept for a
-decode engine, its scheduler names the request's blocks on the connector metadata
-(:data:`SOURCES_ATTRIBUTE`); the worker digests every kernel page of them, per KV-cache group
-(:mod:`.kv_digest`), and serves the digests on its digest port
+Prefill worker (every rank): the next step the scheduler builds after a request finishes
+with its blocks kept for a decode engine (two steps later under async scheduling) names the
+request's blocks on the connector metadata (:data:`SOURCES_ATTRIBUTE`); the worker digests
+every kernel page of them, per KV-cache group (:mod:`.kv_digest`), when that metadata is
+bound, before the step's forward, and serves the digests on its digest port
 (:mod:`~vllm_hybrid_nixl.protocol.digest_wire`) until the decode's read is long over.
 
 Decode worker (every rank): the pages each read moved are recorded as vLLM's own read path
@@ -526,7 +527,9 @@ class DigestGuardMixin:
 
     def _prefetch(self, request_id: str, remote_rank: int) -> None:
         """Ask for the digests as the read starts, so they are in when it completes (the
-        answer does not depend on the read: the prefill digested before its response). Its
+        answer does not depend on the read; the prefill digests when the step after the
+        request's last one binds its metadata, before its forward, so the digests are
+        usually in before the read; until then the asker asks again). Its
         deadline leaves the read time to finish; the check's own deadline counts from the
         read's completion."""
         expect = self._digest_expect.get(request_id)
