@@ -270,7 +270,11 @@ class Scrape:
 
 
 def scrape(engine_url: str) -> Scrape:
-    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    return parse_scrape(httpx.get(f"{engine_url}/metrics", timeout=30).text)
+
+
+def parse_scrape(text: str) -> Scrape:
+    """The ITL buckets and stage (sum, count) pairs of one ``/metrics`` text."""
     found = Scrape()
     by_metric = {metric: stage for stage, metric in STAGES.items()}
     for family in text_string_to_metric_families(text):
@@ -305,7 +309,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: Request
     }  # fmt: skip
     started = time.perf_counter()
     seen: list[float] = []  # when each event carrying text arrived
-    tokens = request.output_tokens
+    tokens = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -315,11 +319,23 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: Request
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                progress(f"an error event from {url}: {str(event['error'])[:200]}")
+                return Sample(None)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             if any(choice.get("text") for choice in event.get("choices", [])):
                 seen.append(time.perf_counter() - started)
-    if not seen:
+    return sample_of(seen, tokens, request.output_tokens)
+
+
+def sample_of(seen: list[float], tokens: int | None, wanted: int) -> Sample:
+    """A request's sample from the times its text events arrived: unfinished (a miss) when
+    none arrived or the stream's usage counts other than the ``wanted`` tokens (with
+    ``ignore_eos`` a whole answer has exactly that many; a stream without a usage event is
+    taken as whole)."""
+    tokens = wanted if tokens is None else tokens
+    if not seen or tokens != wanted:
         return Sample(None)
     gaps = [later - earlier for earlier, later in zip(seen, seen[1:], strict=False)]
     tpot = (seen[-1] - seen[0]) / (tokens - 1) if tokens > 1 else 0.0
@@ -328,19 +344,22 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: Request
 
 async def run_stream(
     url: str, model: str, requests: list[Request], tail_s: float
-) -> tuple[list[Sample], float]:
+) -> tuple[list[Sample], float, float]:
     """Sends each request at its arrival time (open loop); requests still running
     ``tail_s`` after the last arrival are cancelled and count as missing their SLOs.
-    Returns the samples in arrival order and the run's seconds."""
+    Returns the samples in arrival order, the run's seconds and the latest any request was
+    sent after its arrival time (TTFT counts from the send)."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=8)
+    late: list[float] = []
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         started = time.perf_counter()
 
         async def at_arrival(request: Request) -> Sample:
             await asyncio.sleep(max(0.0, request.at_s - (time.perf_counter() - started)))
+            late.append(time.perf_counter() - started - request.at_s)
             try:
                 return await _one(client, url, model, request)
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # noqa: BLE001 - any failed request is a miss, by name
                 progress(f"{type(exc).__name__} from {url}: {exc}")
                 return Sample(None)
 
@@ -351,7 +370,7 @@ async def run_stream(
             task.cancel()  # closing the stream aborts the request in vLLM
         await asyncio.gather(*pending, return_exceptions=True)
         samples = [Sample(None) if t.cancelled() else t.result() for t in tasks]
-        return samples, time.perf_counter() - started
+        return samples, time.perf_counter() - started, max(late, default=0.0)
 
 
 def summarize_run(
@@ -387,6 +406,7 @@ def measure(
     vocab: int, seed: int,
 ) -> dict[str, Any]:  # fmt: skip
     by_rate: dict[str, dict[str, Any]] = {}
+    streams: dict[str, dict[str, Any]] = {}
     names = list(ways)
     for index, rate in enumerate(workload.rates):
         requests = arrivals(workload, rate, count, seed=seed * 1000 + index, vocab=vocab)
@@ -396,11 +416,12 @@ def measure(
             way = ways[name]
             before = [scrape(url) for url in way.engines]
             progress(f"{workload.name} at {rate}/s: {name} ({count} requests)")
-            samples, seconds = asyncio.run(run_stream(way.url, model, requests, tail_s))
+            samples, seconds, late = asyncio.run(run_stream(way.url, model, requests, tail_s))
             after = [scrape(url) for url in way.engines]
             pairs = list(zip(before, after, strict=True))
             itl = summed_buckets(histogram_delta(b.itl, a.itl) for b, a in pairs)
             row[name] = summarize_run(samples, workload, itl, seconds)
+            row[name]["latest_send_after_arrival_ms"] = round(late * 1e3, 1)
             row[name]["engine_stage_means_ms"] = {
                 role: stage_means_ms(b, a) for role, (b, a) in zip(way.roles, pairs, strict=True)
             }
@@ -409,6 +430,10 @@ def measure(
                 f"{row[name]['slo_attainment']:.0%}, TTFT p50 {row[name]['ttft_p50_s']:.2f} s, "
                 f"engine ITL p99 {row[name]['engine_itl_p99_ms']:.0f} ms"
             )
+        streams[str(rate)] = {
+            "realized_rate": round(len(requests) / requests[-1].at_s, 3),  # 20 draws: noisy
+            "arrivals_s": [round(r.at_s, 3) for r in requests],
+        }
         by_rate[str(rate)] = row
     rates = list(workload.rates)
     share = {w: [by_rate[str(r)][w]["slo_attainment"] for r in rates] for w in names}
@@ -416,6 +441,7 @@ def measure(
         "workload": workload.__dict__,
         "requests_per_rate": count,
         "by_rate": by_rate,
+        "arrival_streams": streams,
         "goodput_rps": {w: goodput_rate(list(zip(rates, share[w], strict=True))) for w in names},
         "crossover_rps_pd_vs": {
             other: crossover_rate(rates, share["pd"], share[other])
@@ -430,7 +456,7 @@ def warm_up(ways: dict[str, Way], model: str, vocab: int) -> None:
     warm = Workload("warm-up", (200, 200), (4, 4), (1.0,), math.inf, math.inf)
     for way in ways.values():
         requests = arrivals(warm, 1.0, 2, seed=999_999, vocab=vocab)
-        samples, _ = asyncio.run(run_stream(way.url, model, requests, tail_s=300))
+        samples, _, _ = asyncio.run(run_stream(way.url, model, requests, tail_s=300))
         if any(s.ttft_s is None for s in samples):
             raise RuntimeError(f"{way.name}: a warm-up request failed; see the logs")
 

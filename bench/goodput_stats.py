@@ -52,7 +52,9 @@ def mean_delta(before: tuple[float, float], after: tuple[float, float]) -> float
 
 def goodput_rate(points: Sequence[tuple[float, float]], goal: float = ATTAINMENT_GOAL) -> float:
     """The highest rate of ``(rate, attainment)`` points, rates rising, up to which every
-    point meets ``goal``; 0.0 when even the lowest misses it."""
+    point meets ``goal``; 0.0 when even the lowest misses it. At the edges it bounds the
+    true goodput: the highest rate measured means at least that, 0.0 means below the
+    lowest."""
     best = 0.0
     for rate, share in sorted(points):
         if not share >= goal:
@@ -66,9 +68,11 @@ def crossover_rate(
 ) -> float | None:
     """The rate where ``ours - theirs`` (e.g. P/D's attainment minus colocated's) changes
     from one strict sign to the other, interpolated linearly between the two measured rates
-    around it (rates where both are equal are ties and skipped); None when it never does."""
+    around it (ties and NaN skipped); None when it never does. Only the first change is
+    given; which way the lead went is the sign of ``ours - theirs`` at the lowest rate."""
     diffs = [a - b for a, b in zip(ours, theirs, strict=True)]
-    signed = [(r, d) for r, d in sorted(zip(rates, diffs, strict=True)) if d != 0]
+    pairs = sorted(zip(rates, diffs, strict=True))
+    signed = [(r, d) for r, d in pairs if d != 0 and not math.isnan(d)]
     for (r0, d0), (r1, d1) in zip(signed, signed[1:], strict=False):
         if (d0 < 0) != (d1 < 0):
             return r0 + (r1 - r0) * d0 / (d0 - d1)

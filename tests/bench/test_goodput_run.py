@@ -39,11 +39,13 @@ def test_every_way_answers_every_request_and_the_report_is_complete(tmp_path: Pa
             assert run["engine_itl_count"] > 0 and run["engine_itl_p99_ms"] > 0, (way, run)
             assert 0.0 <= run["slo_attainment"] <= 1.0
         stages = {way: run["engine_stage_means_ms"] for way, run in row.items()}
-        assert stages["pd"]["decode"]["nixl_read"] > 0  # P/D read its KV over NIXL
+        assert "nixl_read" in stages["pd"]["decode"]  # P/D read its KV over NIXL
         assert "nixl_read" not in stages["colocated_x2"]["engine_a"]
         assert set(stages["colocated_x2"]) == {"engine_a", "engine_b"}
-        for way in ("pd", "colocated_x2", "one_engine"):
-            assert workload["goodput_rps"][way] in (0.0, 2.0)
+        for way, run in row.items():  # one rate: goodput is it exactly when 90% met the SLO
+            assert workload["goodput_rps"][way] == (2.0 if run["slo_attainment"] >= 0.9 else 0)
+        (stream,) = workload["arrival_streams"].values()
+        assert len(stream["arrivals_s"]) == 3 and stream["realized_rate"] > 0
     top = result["headline"]
     assert set(top) >= {
         "goodput_prefill_heavy_pd_rps",

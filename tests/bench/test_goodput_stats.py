@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from bench.goodput import WORKLOADS, arrivals, bench_model_spec, model_shape
+from bench.goodput import (
+    ITL_METRIC,
+    WORKLOADS,
+    arrivals,
+    bench_model_spec,
+    model_shape,
+    parse_scrape,
+    sample_of,
+)
 from bench.goodput_stats import (
     LLAMA3_8B,
     Sample,
@@ -50,6 +58,8 @@ def test_crossover_interpolates_where_the_lead_changes_and_skips_ties() -> None:
     )
     assert crossover_rate(rates, [1.0] * 4, [0.5] * 4) is None  # one way leads throughout
     assert crossover_rate(rates, [1.0] * 4, [1.0] * 4) is None  # all ties
+    nan = float("nan")  # a rate a way has no figure for is skipped, not read as a lead
+    assert crossover_rate(rates, [nan, 0.5, 1.0, 1.0], [1.0, 1.0, 0.5, 0.5]) == pytest.approx(2.5)
 
 
 def test_histogram_quantiles_interpolate_inside_the_bucket() -> None:
@@ -86,3 +96,37 @@ def test_arrivals_are_seeded_poisson_with_lengths_in_range() -> None:
                for r in first)  # fmt: skip
     assert all(3 <= t < 400 for r in first[:5] for t in r.prompt)
     assert len({tuple(r.prompt[:64]) for r in first}) == len(first)  # no shared first block
+
+
+def test_a_stream_counts_only_when_every_requested_token_came() -> None:
+    seen = [0.5, 0.52, 0.9, 0.92]  # first token at 0.5 s, one 0.38 s stall
+    sample = sample_of(seen, tokens=4, wanted=4)
+    assert sample.ttft_s == 0.5 and sample.max_gap_s == pytest.approx(0.38)
+    assert sample.tpot_s == pytest.approx(0.42 / 3)
+    assert not sample_of(seen, tokens=3, wanted=4).finished  # cut short: a miss
+    assert sample_of(seen, tokens=None, wanted=4).finished  # no usage event: ignore_eos
+    assert not sample_of([], tokens=4, wanted=4).finished
+
+
+def test_metrics_of_two_label_sets_are_summed() -> None:
+    text = "\n".join(
+        [
+            f"# HELP {ITL_METRIC} ITL",
+            f"# TYPE {ITL_METRIC} histogram",
+            *(
+                f'{ITL_METRIC}_bucket{{engine="{e}",le="{le}"}} {n}'
+                for e, counts in (("0", (1, 3)), ("1", (2, 2)))
+                for le, n in zip(("0.01", "+Inf"), counts, strict=True)
+            ),
+            *(f'{ITL_METRIC}_{k}{{engine="{e}"}} {v}' for e in "01" for k, v in
+              (("count", 3), ("sum", 0.1))),
+            "# HELP vllm:request_queue_time_seconds queue",
+            "# TYPE vllm:request_queue_time_seconds histogram",
+            'vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf"} 4',
+            'vllm:request_queue_time_seconds_count{engine="0"} 4',
+            'vllm:request_queue_time_seconds_sum{engine="0"} 2.0',
+        ]
+    )  # fmt: skip
+    found = parse_scrape(text + "\n")
+    assert found.itl == {0.01: 3.0, math.inf: 5.0}
+    assert found.stages == {"queue": (2.0, 4.0)}
