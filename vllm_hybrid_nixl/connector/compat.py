@@ -377,6 +377,7 @@ def side_channel_env() -> tuple[str, int]:
     return str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST), int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT)
 
 
+@functools.cache  # asked per transfer stat on the API server: inspect once
 def digest_hooks_available() -> bool:
     """Whether this release's pull worker reads through the two methods the KV digest wraps
     to learn which pages a read moved: ``_read_blocks(read_spec, dst_engine_id, request_id,
