@@ -162,7 +162,10 @@ def test_a_draining_prefill_leaves_rotation_and_the_request_runs_on_the_decode_e
     assert len(prefill.posts) == 1  # refused, not retried there
     assert "kv_transfer_params" not in decode.posts[-1]
     state = engine_state(started, "prefill-0")
-    assert state["state"] == "down" and "draining" in state["last_error"]
+    # out of rotation either by this refusal or by a health probe that saw the drain's 503
+    # first (a race seen once in CI): both name why
+    assert state["state"] == "down", state
+    assert "draining" in state["last_error"] or "HTTP 503" in state["last_error"], state
     assert router_health(started)["status"].startswith("degraded")
     assert colocated_choices(started) == {("no_prefill", decode.url): 1.0}
     # Once it serves again (restarted), probes bring it back and P/D resumes.
