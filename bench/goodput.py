@@ -69,6 +69,7 @@ from bench.goodput_stats import (
     mean_delta,
     summed_buckets,
 )
+from bench.router_peer import refresh_latest
 
 WAYS = ("pd", "colocated_x2", "one_engine")  # the default run; see PLANS for one more
 ITL_METRIC = "vllm:inter_token_latency_seconds"
@@ -613,22 +614,9 @@ def main() -> int:
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / f"{name}.png")
     if not args.smoke and args.stem == "goodput":
-        refresh_latest(result["headline"], args.out / "latest.json")
+        refresh_latest(result["headline"], args.out / "latest.json", section="goodput")
     print(table(result))
     return 0
-
-
-def refresh_latest(top: dict[str, Any], path: Path) -> None:
-    """Put this run's goodput figures into ``latest.json``, dated and with their commit."""
-    import datetime as dt
-
-    from bench.__main__ import commit
-
-    latest = json.loads(path.read_text()) if path.exists() else {}
-    latest.update(top)
-    latest["goodput_date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    latest["goodput_commit"] = commit()
-    path.write_text(json.dumps(latest, indent=2) + "\n")
 
 
 if __name__ == "__main__":

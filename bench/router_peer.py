@@ -383,16 +383,17 @@ def main() -> int:
     return 0
 
 
-def refresh_latest(headline: dict[str, float], path: Path) -> None:
-    """Put this run's router ratios into ``latest.json``, dated and with their commit."""
+def refresh_latest(headline: dict[str, Any], path: Path, section: str = "router_peer") -> None:
+    """Put one section's headline into ``latest.json``, with ``{section}_date`` and
+    ``{section}_commit`` beside it; the file's other keys stay."""
     import datetime as dt
 
     from bench.__main__ import commit
 
     latest = json.loads(path.read_text()) if path.exists() else {}
     latest.update(headline)
-    latest["router_peer_date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    latest["router_peer_commit"] = commit()
+    latest[f"{section}_date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    latest[f"{section}_commit"] = commit()
     path.write_text(json.dumps(latest, indent=2))
 
 
