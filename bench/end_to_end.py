@@ -256,8 +256,9 @@ def start_stack(
     def stop() -> None:
         router.terminate()
         router.wait(timeout=20)
-        for engine in engines:
-            engine.stop()
+        from vllm_hybrid_nixl.deploy.engines import stop_engines
+
+        stop_engines(engines)
 
     try:
         wait_for_health(urls["router"], [router])

@@ -243,8 +243,9 @@ def serving_ways(model: str, log_dir: Path, names: list[str]) -> Iterator[dict[s
         for router in routers:
             router.terminate()
             router.wait(timeout=20)
-        for engine in engines.values():
-            engine.stop()
+        from vllm_hybrid_nixl.deploy.engines import stop_engines
+
+        stop_engines(engines.values())
 
 
 def progress(message: str) -> None:

@@ -30,7 +30,7 @@ import psutil
 
 from bench.end_to_end import RESULTS
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, stop_engines
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -163,8 +163,7 @@ def run_case(
         result["outcome"] = "served" if same and moved_kv else ("wrong" if moved_kv else "no_kv")
         return result
     finally:
-        for engine in engines:
-            engine.stop()
+        stop_engines(engines)
         result["seconds"] = round(time.monotonic() - started, 1)
 
 

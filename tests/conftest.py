@@ -59,6 +59,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(not_cpu_build)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the run includes the container tests, their images start building now, on a
+    thread of their own (tests/e2e/container_kit.py), while the tests before them run."""
+    if session.config.option.collectonly or cuda_build_on_cpu():
+        return
+    if not any(item.path.name == "test_containers.py" for item in session.items):
+        return
+    from tests.e2e.container_kit import IMAGE_PREBUILD, ImagePrebuild
+
+    directory = session.config._tmp_path_factory.mktemp("image-prebuild")  # type: ignore[attr-defined]
+    session.config.stash[IMAGE_PREBUILD] = ImagePrebuild(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny_mamba_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer NemotronH: Mamba2 and attention layers (``M*M*``), float32."""

@@ -24,11 +24,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/vllm-hybrid-nixl:cpu-test"
@@ -222,6 +224,44 @@ def build_gpu_dockerfile_on_stand_in(
     build_s = time.monotonic() - started
     size = int(cli.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
     return BuiltImage(image, stand_in, build_s, 0.0, size)
+
+
+@dataclass(frozen=True)
+class Images:
+    """The container CLI and the two images the container tests run."""
+
+    cli: ContainerCli
+    cpu: BuiltImage
+    gpu: BuiltImage
+
+
+def build_images(directory: Path) -> Images:
+    """The container CLI (installed if need be), the CPU image, then the GPU Dockerfile on
+    its stand-in base."""
+    cli = container_cli(directory / "cli")
+    (directory / "cpu").mkdir()
+    (directory / "gpu").mkdir()
+    cpu = build_cpu_image(cli, directory / "cpu")
+    return Images(cli, cpu, build_gpu_dockerfile_on_stand_in(cli, cpu, directory / "gpu"))
+
+
+class ImagePrebuild:
+    """:func:`build_images` on a thread of its own, started as soon as the session knows it
+    will run the container tests: the builds (mostly package downloads and unpacking) run
+    while the tests before them do, instead of adding their minutes to the suite. An error
+    of the build is raised where the images are asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-prebuild")
+        self._images: Future[Images] = pool.submit(build_images, directory)
+        pool.shutdown(wait=False)
+
+    def images(self, timeout_s: float = 3600) -> Images:
+        return self._images.result(timeout=timeout_s)
+
+
+IMAGE_PREBUILD = pytest.StashKey[ImagePrebuild]()
 
 
 def health_check_passes(cli: ContainerCli, name: str) -> bool:

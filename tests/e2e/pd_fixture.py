@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness.releases import STOCK_REFUSAL
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, stop_engines
 from vllm_hybrid_nixl.deploy.kv_metrics import KvTransferCounters, read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
@@ -63,8 +63,7 @@ def start_pair(
                 engine.wait_healthy(timeout_s=420)
         yield PdPair(engines[0], engines[1], str(model))
     finally:
-        for engine in engines:
-            engine.stop()
+        stop_engines(engines)
 
 
 @dataclass

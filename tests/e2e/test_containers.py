@@ -26,13 +26,13 @@ import httpx
 import pytest
 
 from tests.e2e.container_kit import (
+    IMAGE_PREBUILD,
     BuiltImage,
     ContainerCli,
     HealthTicker,
-    build_cpu_image,
-    build_gpu_dockerfile_on_stand_in,
+    ImagePrebuild,
+    Images,
     compose_tool,
-    container_cli,
     first_errors,
     free_subnet,
     progress,
@@ -74,13 +74,23 @@ def _kv_config(role: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cli(tmp_path_factory) -> ContainerCli:
-    return container_cli(tmp_path_factory.mktemp("container-cli"))
+def images(request: pytest.FixtureRequest, tmp_path_factory) -> Images:
+    """The images the session started building at collection (tests/conftest.py), or built
+    here when it did not."""
+    prebuild = request.config.stash.get(IMAGE_PREBUILD, None)
+    if prebuild is None:
+        prebuild = ImagePrebuild(tmp_path_factory.mktemp("image-build"))
+    return prebuild.images()
 
 
 @pytest.fixture(scope="module")
-def cpu_image(cli: ContainerCli, tmp_path_factory) -> BuiltImage:
-    return build_cpu_image(cli, tmp_path_factory.mktemp("image-build"))
+def cli(images: Images) -> ContainerCli:
+    return images.cli
+
+
+@pytest.fixture(scope="module")
+def cpu_image(images: Images) -> BuiltImage:
+    return images.cpu
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +186,13 @@ def test_the_image_builds_without_a_registry_and_reports_itself(
 
 
 def test_the_gpu_dockerfile_builds_on_a_stand_in_base_and_passes_its_image_check(
-    cli: ContainerCli, cpu_image: BuiltImage, tmp_path: Path
+    cli: ContainerCli, images: Images
 ) -> None:
     """The GPU ``Dockerfile`` built with a stand-in base (the CPU image as root, the
     VLLM_FLAVOR=cpu install), since neither vllm/vllm-openai nor a GPU is reachable here:
     its copies, scripts/install.sh into the base's own Python and ``check-image`` run at
     build time; the built image's entry point, health check and ``check-image`` answer."""
-    built = build_gpu_dockerfile_on_stand_in(cli, cpu_image, tmp_path)
+    built = images.gpu
     (found,) = json.loads(cli.run("image", "inspect", built.name).stdout)
     config = found["Config"]
     assert config["Entrypoint"] == ["python3", "-m", "vllm_hybrid_nixl.deploy.container"]

@@ -17,7 +17,7 @@ import pytest
 from tests.e2e.pd_fixture import COMMON_ARGS, running_router
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector import compat
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, stop_engines
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.protocol.fingerprint import decode as decode_fingerprint
@@ -69,8 +69,7 @@ def engines(tiny_hybrid_model, tmp_path_factory) -> Iterator[Engines]:
             engine.wait_healthy(timeout_s=420)
         yield Engines(**started, model=str(tiny_hybrid_model))
     finally:
-        for engine in started.values():
-            engine.stop()
+        stop_engines(started.values())
 
 
 def _body(model: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
 from vllm_hybrid_nixl.connector.side_channel import SideChannelPortInUse, refuse_busy_side_channel
-from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
+from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec, stop_engines
 
 MESSAGE = "side-channel port 127.0.0.1:{port} is already in use"
 
@@ -99,8 +99,7 @@ def refused_starts(
             for key, engine in engines.items():
                 starts[key].log = engine.log_text() or engine.log_tail(40)
         finally:
-            for engine in engines.values():
-                engine.stop()
+            stop_engines(engines.values())
         yield starts
 
 

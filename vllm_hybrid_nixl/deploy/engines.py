@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -233,3 +235,16 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 continue
         kill_leftover_group(pgid)
+
+
+def stop_engines(engines: Iterable[EngineProcess], timeout_s: float = 20.0) -> None:
+    """Stop several engines at once: each drains and shuts down (about 6 s for an idle one)
+    while the others do, instead of one after another. Each is still stopped by its PID as
+    :meth:`EngineProcess.stop` does; the first error, if any, is raised after all stopped."""
+    engines = list(engines)
+    if not engines:
+        return
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        outcomes = [pool.submit(engine.stop, timeout_s) for engine in engines]
+    for outcome in outcomes:
+        outcome.result()
