@@ -149,6 +149,7 @@ def test_a_prefill_engine_restarted_between_the_legs_is_detected(
     assert guarded.decode.log_text().count("the prefill engine restarted") >= 4
 
 
+@pytest.mark.slow  # ~40 s on two cores: not in .ci/run (docs/testing.md)
 def test_decode_legs_later_than_the_default_lease_fail_loudly(
     guarded: PdPair, expected: dict[str, str]
 ) -> None:

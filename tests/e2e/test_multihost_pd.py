@@ -405,6 +405,7 @@ def test_slow_and_flapping_links_keep_answers_identical(hosts: MultiHost, expect
     assert all(o.correct for o in baseline + slow), baseline + slow
 
 
+@pytest.mark.slow  # ~65 s on two cores: not in .ci/run (docs/testing.md)
 def test_prefill_engine_killed_on_its_host_under_load(hosts: MultiHost, expected) -> None:
     host = hosts.cluster.hosts[1]
     url = next(u for u in hosts.urls("prefill") if hosts.host_of(u) is host)

@@ -34,6 +34,7 @@ from tests.e2e.pd_fixture import (
     run_pd_and_colocated,
     start_pair,
 )
+from vllm_hybrid_nixl.deploy.engines import stop_engines
 from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
@@ -117,8 +118,8 @@ def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: Plain
 def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
     plain_case: PlainCase, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    for engine in (plain_case.pair.prefill, plain_case.pair.decode):
-        engine.stop()  # two cores: the hybrid pair needs them
+    # two cores: the hybrid pair needs them
+    stop_engines([plain_case.pair.prefill, plain_case.pair.decode])
     spec = TinyModelSpec(arch="nemotron-h", mamba_groups=2)
     model = build_tiny_model(tmp_path_factory.mktemp("tp-nemotron-g2"), spec)
     pair_iter = start_hetero_pair(model, tmp_path_factory.mktemp("tp-mamba-logs"))
@@ -155,8 +156,8 @@ def test_hybrid_into_a_smaller_decode_tp_is_refused_by_router_and_engine(
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
     }
     decode = {"kv_extra_config": {"lease_check_timeout": 30.0}}
-    for engine in (plain_case.pair.prefill, plain_case.pair.decode):
-        engine.stop()  # stopped already when the Mamba test ran first; two cores
+    # stopped already when the Mamba test ran first; two cores
+    stop_engines([plain_case.pair.prefill, plain_case.pair.decode])
     log_dir = tmp_path_factory.mktemp("tp-refused-logs")
     # the single-rank engine first: beside two busy-polling NIXL ranks it came up slowly
     pair_iter = start_pair(tiny_hybrid_model, log_dir, prefill, decode, decode_first=True)
