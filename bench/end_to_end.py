@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import httpx
 import numpy
 
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
+from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 
 RESULTS = Path(__file__).parent / "results"
@@ -147,14 +149,35 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
 
 
+@dataclass(frozen=True)
+class TransferReading:
+    """The decode engine's NIXL counters at one moment (``/metrics``)."""
+
+    bytes: float
+    xfer_s: float  # vllm:nixl_xfer_time_seconds: each read from its post until seen done
+
+    @classmethod
+    def of(cls, decode_url: str) -> TransferReading:
+        text = read_metrics(decode_url, timeout_s=10.0)
+        return cls(
+            sample_sum(text, "vllm:nixl_bytes_transferred_sum"),
+            sample_sum(text, "vllm:nixl_xfer_time_seconds_sum"),
+        )
+
+
 def prompt_scaling(
     urls: dict[str, str], model: str, words: list[int], rounds: int
 ) -> dict[str, Any]:
     """TTFT through the router (P/D: prefill, then the KV moved over NIXL) and colocated, one
-    request at a time, for growing prompts; slopes in ms per 1,000 prompt tokens."""
+    request at a time, for growing prompts; slopes in ms per 1,000 prompt tokens. For each
+    P/D request the decode engine's own NIXL counters give the bytes it read and the time
+    its reads took, so the TTFT P/D adds per 1,000 tokens (its slope over colocated's) can
+    be set against the transfer those tokens need."""
     rows = []
     for n in words:
         ttft: dict[str, list[float]] = {"router": [], "colocated": []}
+        moved_bytes: list[float] = []
+        xfer_ms: list[float] = []
         tokens = 0
         for r in range(rounds):
             body = bodies_for(model, 1, 4, n)[0]
@@ -163,13 +186,20 @@ def prompt_scaling(
             if tokens + 4 > MAX_MODEL_LEN:
                 break
             for way in ttft:
+                before = TransferReading.of(urls["decode"]) if way == "router" else None
                 ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
+                if before is not None:
+                    after = TransferReading.of(urls["decode"])
+                    moved_bytes.append(after.bytes - before.bytes)
+                    xfer_ms.append((after.xfer_s - before.xfer_s) * 1e3)
         if ttft["router"]:
             rows.append(
                 {
                     "words": n,
                     "prompt_tokens": tokens,
                     **{f"{way}_ttft_ms": statistics.median(v) * 1e3 for way, v in ttft.items()},
+                    "pd_kv_bytes": statistics.median(moved_bytes),
+                    "pd_nixl_xfer_ms": statistics.median(xfer_ms),
                 }
             )
     result: dict[str, Any] = {"rows": rows}
@@ -178,7 +208,39 @@ def prompt_scaling(
         for way in ("router", "colocated"):
             ys = [row[f"{way}_ttft_ms"] for row in rows]
             result[f"{way}_ttft_ms_per_1k_tokens"] = slope(xs, ys)
+        result["pd_added_ttft_ms_per_1k_tokens"] = (
+            result["router_ttft_ms_per_1k_tokens"] - result["colocated_ttft_ms_per_1k_tokens"]
+        )
+        result["kv_bytes_per_1k_tokens"] = slope(xs, [row["pd_kv_bytes"] for row in rows])
+        result["nixl_xfer_ms_per_1k_tokens"] = slope(xs, [row["pd_nixl_xfer_ms"] for row in rows])
     return result
+
+
+def transfer_ms_at(bandwidth_gbs: float, kv_bytes: float) -> float:
+    """Milliseconds ``kv_bytes`` take at ``bandwidth_gbs`` (GB/s, 10^9 bytes)."""
+    return kv_bytes / (bandwidth_gbs * 1e9) * 1e3
+
+
+def set_against_bandwidth(scaling: dict[str, Any], transfer_results: Path) -> dict[str, Any]:
+    """The TTFT P/D adds per 1,000 prompt tokens over colocated, as a multiple of the time
+    those tokens' KV bytes take at the NIXL bandwidth ``bench.transfer`` measured (its median
+    over block sizes) and of the time the decode engine's own reads took."""
+    if "kv_bytes_per_1k_tokens" not in scaling or not transfer_results.exists():
+        return {}
+    rates = [row["nixl_gbs"] for row in json.loads(transfer_results.read_text())["blocks"]]
+    bandwidth = statistics.median(rates)
+    wire_ms = transfer_ms_at(bandwidth, scaling["kv_bytes_per_1k_tokens"])
+    added = scaling["pd_added_ttft_ms_per_1k_tokens"]
+    return {
+        "transfer_bench_nixl_gbs": bandwidth,
+        "transfer_ms_per_1k_tokens_at_bench_rate": wire_ms,
+        "pd_added_vs_transfer_at_bench_rate": added / wire_ms if wire_ms > 0 else math.nan,
+        "pd_added_vs_engine_xfer": (
+            added / scaling["nixl_xfer_ms_per_1k_tokens"]
+            if scaling["nixl_xfer_ms_per_1k_tokens"] > 0
+            else math.nan
+        ),
+    }
 
 
 def count_tokens(url: str, model: str, prompt: str) -> int:
@@ -310,9 +372,31 @@ def main() -> int:
         help="leave NIXL's progress thread at normal priority (the stock behaviour)",
     )
     parser.add_argument("--out", default="end_to_end.json", help="file name under results/")
+    parser.add_argument(
+        "--scaling-words",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time single requests of these prompt sizes (words), P/D and colocated",
+    )
+    parser.add_argument(
+        "--scaling-only",
+        action="store_true",
+        help="only the prompt-size runs (no concurrency rows); the P/D TTFT added per 1,000 "
+        "tokens is set against the transfer those tokens need (results/transfer.json's rate)",
+    )
     args = parser.parse_args()
     extra = {"idle_progress_thread": False} if args.busy_progress_thread else None
-    result = run(args.concurrency, args.rounds, args.max_tokens, extra)
+    if args.scaling_only:
+        words = args.scaling_words or [8, 48, 96, 144]
+        result = run([], args.rounds, args.max_tokens, extra, scaling_words=words)
+        scaling = result["prompt_scaling"]
+        scaling.update(set_against_bandwidth(scaling, RESULTS / "transfer.json"))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in scaling.items() if k != "rows"}, indent=2))
+        return 0
+    result = run(args.concurrency, args.rounds, args.max_tokens, extra, args.scaling_words)
     print(f"engines healthy after {result['engine_start_s']:.0f}s", file=sys.stderr)
     print(f"{'conc':>4} {'router p50':>10} {'legs p50':>9} {'added p50':>9} {'added p99':>9} "
           f"{'p50 x':>6} {'p99 x':>6} {'TTFT P/D:co':>11}")  # fmt: skip

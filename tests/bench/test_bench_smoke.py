@@ -87,6 +87,11 @@ def test_sections_are_complete(results: Path) -> None:
         assert row[way]["ttft_p50_s"] <= row[way]["p50_s"]
     tokens = [r["prompt_tokens"] for r in e2e["prompt_scaling"]["rows"]]
     assert len(tokens) == 2 and tokens[0] < tokens[1]
+    # each P/D request's KV as the decode engine counted it: more for the longer prompt
+    moved = [r["pd_kv_bytes"] for r in e2e["prompt_scaling"]["rows"]]
+    assert 0 < moved[0] < moved[1], moved
+    assert all(r["pd_nixl_xfer_ms"] > 0 for r in e2e["prompt_scaling"]["rows"])
+    assert finite_positive(e2e["prompt_scaling"]["kv_bytes_per_1k_tokens"])
 
 
 def test_report_table_and_plot(results: Path) -> None:

@@ -238,9 +238,9 @@ class Images:
 def build_images(directory: Path) -> Images:
     """The container CLI (installed if need be), the CPU image, then the GPU Dockerfile on
     its stand-in base."""
+    for part in ("cli", "cpu", "gpu"):
+        (directory / part).mkdir(exist_ok=True)
     cli = container_cli(directory / "cli")
-    (directory / "cpu").mkdir()
-    (directory / "gpu").mkdir()
     cpu = build_cpu_image(cli, directory / "cpu")
     return Images(cli, cpu, build_gpu_dockerfile_on_stand_in(cli, cpu, directory / "gpu"))
 
