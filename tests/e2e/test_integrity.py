@@ -6,7 +6,7 @@ Real ``vllm serve`` engines with HybridNixlConnector on a tiny sliding-window hy
 request at a time, so a decode request that queues behind another outlives the lease unless
 its engine renews it. Every test asserts zero HTTP 200 with wrong tokens and both engines
 alive afterwards. The stock connector's answers to the same batch (wrong tokens) are shown by
-``test_lease_control_stock``, so these tests can fail.
+the stock controls in ``test_layout_guard``, so these tests can fail.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Real ``vllm serve`` engines with HybridNixlConnector on a tiny sliding-window hybrid: the
 prefill engine has a short lease (3 s) and a small cache, so churn between the legs reuses
-the released blocks. Without the guard (the stock connector, ``test_lease_control_stock``)
-the same scenario answers HTTP 200 with wrong tokens, so these tests can fail.
+the released blocks. Without the guard (the stock connector: the stock controls in
+``test_layout_guard``) the same scenario answers HTTP 200 with wrong tokens, so these tests
+can fail.
 """
 
 from __future__ import annotations
