@@ -12,6 +12,7 @@ directories they name mounted read-only into the build.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -40,6 +41,7 @@ PACKAGES = [
     "golang-github-containers-common",
 ]  # fmt: skip
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+BUILD_NICENESS = 19  # the image builds run beside other tests (ImagePrebuild)
 
 
 def progress(message: str) -> None:
@@ -53,16 +55,26 @@ class ContainerCli:
 
     path: str
     env: dict[str, str] = field(default_factory=dict)
+    #: Run at this niceness (and so does everything it starts: a build's steps): a build
+    #: beside running tests takes only the CPU they leave idle.
+    nice: int = 0
 
     @property
     def is_podman(self) -> bool:
         return Path(self.path).name == "podman"
 
+    def niced(self, argv: list[str]) -> list[str]:
+        """``argv`` run at this CLI's niceness."""
+        return ["nice", "-n", str(self.nice), *argv] if self.nice else argv
+
+    def command(self, *args: str) -> list[str]:
+        return self.niced([self.path, *args])
+
     def run(
         self, *args: str, timeout: float = 600, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            [self.path, *args],
+            self.command(*args),
             env={**os.environ, **self.env},
             capture_output=True,
             text=True,
@@ -183,7 +195,7 @@ def build_cpu_image(cli: ContainerCli, directory: Path) -> BuiltImage:
     progress("base images: a minimal Debian and Debian's Python 3.11 (about 1-2 min if new)")
     started = time.monotonic()
     base = subprocess.run(
-        ["bash", str(REPO / "scripts" / "container" / "local-base.sh")],
+        cli.niced(["bash", str(REPO / "scripts" / "container" / "local-base.sh")]),
         env={**os.environ, **cli.env, "ENGINE": cli.path},
         capture_output=True,
         text=True,
@@ -241,8 +253,9 @@ def build_images(directory: Path) -> Images:
     for part in ("cli", "cpu", "gpu"):
         (directory / part).mkdir(exist_ok=True)
     cli = container_cli(directory / "cli")
-    cpu = build_cpu_image(cli, directory / "cpu")
-    return Images(cli, cpu, build_gpu_dockerfile_on_stand_in(cli, cpu, directory / "gpu"))
+    builder = dataclasses.replace(cli, env=dict(cli.env), nice=BUILD_NICENESS)
+    cpu = build_cpu_image(builder, directory / "cpu")
+    return Images(cli, cpu, build_gpu_dockerfile_on_stand_in(builder, cpu, directory / "gpu"))
 
 
 class ImagePrebuild:
