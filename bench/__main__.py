@@ -281,26 +281,40 @@ def main(argv: list[str] | None = None) -> int:
         )
     save("worker_transfer", workers)
     print("== end to end", file=sys.stderr, flush=True)
-    e2e = end_to_end.run(
-        [1] if args.smoke else [1, 8, 32],
-        1 if args.smoke else 3,
-        8 if args.smoke else 16,
-        scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
-    )
-    save("end_to_end", e2e)
-    peer = None
-    if not args.smoke:
-        print("== our router against vllm-router", file=sys.stderr, flush=True)
-        peer = router_peer.run([1, 8, 32], 4, 12)
-        save("router_peer", peer)
+    with tempfile.TemporaryDirectory() as tmp:
+        # One stack (two engines and our router) for both sections.
+        from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+        model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
+        stack_started = time.monotonic()
+        urls, stop, router_pid = end_to_end.start_stack(model, Path(tmp), with_router_pid=True)
+        start_s = time.monotonic() - stack_started
+        try:
+            e2e = end_to_end.measure_stack(
+                urls,
+                model,
+                [1] if args.smoke else [1, 8, 32],
+                1 if args.smoke else 3,
+                8 if args.smoke else 16,
+                scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
+            )
+            e2e.update(engine_start_s=start_s, kv_extra_config={})
+            save("end_to_end", e2e)
+            print("== our router against vllm-router", file=sys.stderr, flush=True)
+            if args.smoke:  # that it runs: two at a time, one round, no untimed round
+                peer = router_peer.run_on(urls, router_pid, model, Path(tmp), [2], 1, 1, False)
+            else:
+                peer = router_peer.run_on(urls, router_pid, model, Path(tmp), [1, 8, 32], 4, 12)
+            save("router_peer", peer)
+        finally:
+            stop()
     top = headline(registration, moved, e2e, workers, peer)
     top["wall_s"] = round(time.monotonic() - started)
     (out / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))
     report = table(registration, moved, e2e) + worker_table(workers) + peer_table(peer)
     (out / f"latest{suffix}.md").write_text(report)
     plotted = plot(registration, moved, e2e, out / f"latest{suffix}.png")
-    if peer is not None:
-        router_peer.plot(peer, out / "router_peer.png")
+    router_peer.plot(peer, out / f"router_peer{suffix}.png")
     print(report)
     print(json.dumps(top, indent=2))
     if not plotted:

@@ -330,6 +330,22 @@ def start_stack(
     return (urls, stop, router.pid) if with_router_pid else (urls, stop)
 
 
+def measure_stack(
+    urls: dict[str, str],
+    model: str,
+    concurrency: list[int],
+    rounds: int,
+    max_tokens: int,
+    scaling_words: list[int] | None = None,
+) -> dict[str, Any]:
+    """The end-to-end measurements on a running stack (:func:`start_stack`'s ``urls``)."""
+    # warm-up: the first NIXL transfer between two engines sets up their connection
+    asyncio.run(one_round("router", urls, bodies_for(model, 1, 2, 4)))
+    rows = measure(urls, model, concurrency, rounds, max_tokens)
+    scaling = prompt_scaling(urls, model, scaling_words or [], rounds)
+    return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "prompt_scaling": scaling}
+
+
 def run(
     concurrency: list[int],
     rounds: int,
@@ -337,6 +353,7 @@ def run(
     kv_extra_config: dict | None = None,
     scaling_words: list[int] | None = None,
 ) -> dict[str, Any]:
+    """:func:`measure_stack` on a stack of its own, started and stopped here."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -345,20 +362,10 @@ def run(
         urls, stop = start_stack(model, Path(tmp), kv_extra_config)
         start_s = time.monotonic() - started
         try:
-            # warm-up: the first NIXL transfer between two engines sets up their connection
-            asyncio.run(one_round("router", urls, bodies_for(model, 1, 2, 4)))
-            rows = measure(urls, model, concurrency, rounds, max_tokens)
-            scaling = prompt_scaling(urls, model, scaling_words or [], rounds)
+            result = measure_stack(urls, model, concurrency, rounds, max_tokens, scaling_words)
         finally:
             stop()
-    return {
-        "max_tokens": max_tokens,
-        "rounds": rounds,
-        "engine_start_s": start_s,
-        "kv_extra_config": kv_extra_config or {},
-        "rows": rows,
-        "prompt_scaling": scaling,
-    }
+    return {**result, "engine_start_s": start_s, "kv_extra_config": kv_extra_config or {}}
 
 
 def main() -> int:

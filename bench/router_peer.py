@@ -264,43 +264,55 @@ def prompts_for(concurrency: int, per_slot: int) -> int:
     return max(16, per_slot * concurrency)
 
 
+def run_on(
+    urls: dict[str, str],
+    router_pid: int,
+    model: str,
+    work: Path,
+    concurrency: list[int],
+    rounds: int,
+    per_slot: int,
+    warm_up_round: bool = True,
+) -> dict[str, Any]:
+    """The comparison on a running stack (:func:`bench.end_to_end.start_stack`'s ``urls``
+    and router PID): vllm-router is started in front of the same engines, and stopped."""
+    peer = None
+    try:
+        peer, peer_url = start_vllm_router(urls["prefill"], urls["decode"], work / "vr.log")
+        targets = {"ours": urls["router"], "vllm_router": peer_url, "decode_alone": urls["decode"]}
+        engines = {role: urls[role] for role in ("prefill", "decode")}
+        pids = {"ours": router_pid, "vllm_router": peer.pid}
+        warm_up(targets["ours"], model)
+        # An untimed round first (prompts of its own): whichever target runs first at a
+        # concurrency would otherwise meet the engines' first batches of that size.
+        if warm_up_round:
+            print("  warm-up round (not counted)", file=sys.stderr, flush=True)
+            measure(targets, engines, pids, model, concurrency, range(rounds, rounds + 1), 2, work)
+        runs = measure(targets, engines, pids, model, concurrency, range(rounds), per_slot, work)
+    finally:
+        if peer is not None:
+            peer.terminate()
+            peer.wait(timeout=20)
+    prompts = {str(c): prompts_for(c, per_slot) for c in concurrency}
+    return {"prompts": prompts, "rounds": rounds, "runs": runs, **summarize(runs)}
+
+
 def run(
     concurrency: list[int], rounds: int, per_slot: int, warm_up_round: bool = True
 ) -> dict[str, Any]:
+    """:func:`run_on` on a stack of its own, started and stopped here."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = str(build_tiny_model(work / "model", TinyModelSpec()))
         urls, stop, router_pid = start_stack(model, work, with_router_pid=True)
-        peer = None
         try:
-            peer, peer_url = start_vllm_router(urls["prefill"], urls["decode"], work / "vr.log")
-            targets = {
-                "ours": urls["router"],
-                "vllm_router": peer_url,
-                "decode_alone": urls["decode"],
-            }
-            engines = {role: urls[role] for role in ("prefill", "decode")}
-            pids = {"ours": router_pid, "vllm_router": peer.pid}
-            warm_up(targets["ours"], model)
-            # An untimed round first (prompts of its own): whichever target runs first at a
-            # concurrency would otherwise meet the engines' first batches of that size.
-            if warm_up_round:
-                print("  warm-up round (not counted)", file=sys.stderr, flush=True)
-                measure(
-                    targets, engines, pids, model, concurrency, range(rounds, rounds + 1), 2, work
-                )
-            runs = measure(
-                targets, engines, pids, model, concurrency, range(rounds), per_slot, work
+            return run_on(
+                urls, router_pid, model, work, concurrency, rounds, per_slot, warm_up_round
             )
         finally:
-            if peer is not None:
-                peer.terminate()
-                peer.wait(timeout=20)
             stop()
-    prompts = {str(c): prompts_for(c, per_slot) for c in concurrency}
-    return {"prompts": prompts, "rounds": rounds, "runs": runs, **summarize(runs)}
 
 
 def table(result: dict[str, Any]) -> str:

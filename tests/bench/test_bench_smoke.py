@@ -1,6 +1,7 @@
 """``vllm-hybrid-nixl bench --smoke`` as users run it (a process, from the checkout): every
 section runs for real — registration with real NIXL agents, a NIXL READ between two
-processes, engines and the router on 127.0.0.1 — and writes well-formed results. Timings are
+processes, engines and the router on 127.0.0.1, then vllm-router in front of the same engines
+with ``vllm bench serve`` against each target — and writes well-formed results. Timings are
 not asserted (they belong to the full run, reported as ratios); shapes, signs and sanity are.
 """
 
@@ -38,6 +39,7 @@ def results(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "== end to end" in done.stderr  # progress is shown section by section
+    assert "== our router against vllm-router" in done.stderr
     return out
 
 
@@ -99,3 +101,32 @@ def test_report_table_and_plot(results: Path) -> None:
     assert "| registration: model | layers |" in report and "| end to end: concurrent |" in report
     png = (results / "latest_smoke.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_the_router_comparison_ran_every_target_on_the_same_engines(results: Path) -> None:
+    result = json.loads((results / "router_peer_smoke.json").read_text())
+    prompts = result["prompts"]["2"]
+    assert prompts == 16  # at least 16 per run, whatever the slots
+    runs = result["runs"]
+    assert sorted(r["target"] for r in runs) == ["decode_alone", "ours", "vllm_router"]
+    assert len({r["seed"] for r in runs}) == len(runs)  # every run its own prompts
+    for run in runs:
+        assert run["completed"] == prompts, run
+        assert len(run["ttfts_ms"]) == prompts and len(run["e2els_ms"]) == prompts
+        assert all(0 < t <= e for t, e in zip(run["ttfts_ms"], run["e2els_ms"], strict=True))
+        shares = run["prefix_cache_hit_share"]
+        # the decode engine serves a prompt in every run (P/D or alone); the prefill engine
+        # only through a router
+        assert 0 <= shares["decode"] <= 1, run
+        if run["target"] == "decode_alone":
+            assert shares["prefill"] is None, run
+        else:
+            assert 0 <= shares["prefill"] <= 1, run
+    row = result["by_concurrency"]["2"]
+    for target in ("ours", "vllm_router"):
+        assert row[target]["requests"] == prompts
+        assert math.isfinite(row[target]["router_cpu_ms_per_request"])
+    assert "router_cpu_ms_per_request" not in row["decode_alone"]
+    assert "| router comparison: concurrent |" in (results / "latest_smoke.md").read_text()
+    png = (results / "router_peer_smoke.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.router_peer import TARGETS, hit_shares, percentile, run_seed, summarize, table
+from bench.router_peer import (
+    TARGETS,
+    hit_shares,
+    percentile,
+    refresh_latest,
+    run_seed,
+    summarize,
+    table,
+)
 
 
 def run(
@@ -107,3 +115,17 @@ def test_each_round_pairs_ours_with_the_peer_of_the_same_round() -> None:
     assert per_round["8"]["p99_ttft"][0] == pytest.approx(1.0)
     assert per_round["8"]["p99_ttft"][1] > 3.0
     assert "| 8 | 2.00 0.50 |" in table(result)
+
+
+def test_a_section_refreshes_its_keys_in_latest_and_keeps_the_others(tmp_path) -> None:
+    import json
+
+    latest = tmp_path / "latest.json"
+    latest.write_text(json.dumps({"register_ratio": 1.5, "router_vs_vllm_router_throughput": 0.9}))
+    refresh_latest({"router_vs_vllm_router_throughput": 1.1}, latest)
+    found = json.loads(latest.read_text())
+    assert found["register_ratio"] == 1.5  # another section's key stays
+    assert found["router_vs_vllm_router_throughput"] == 1.1
+    assert found["router_peer_date"].startswith("20") and len(found["router_peer_commit"]) >= 7
+    refresh_latest({"goodput_pd_rps": 2.0}, latest, section="goodput")
+    assert json.loads(latest.read_text())["goodput_commit"] == found["router_peer_commit"]
