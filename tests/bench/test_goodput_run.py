@@ -1,8 +1,9 @@
-"""``python -m bench.goodput --smoke`` as a user runs it: five real engines (a P/D pair, two
-colocated engines, one engine on both cores), two router processes, open-loop arrivals of
-both workloads. Asserts every request of every way finished, the engines' own inter-token
-histograms were read, KV moved over NIXL only for P/D, and the results are complete;
-latencies and SLO shares are not asserted (the full run's report)."""
+"""``python -m bench.goodput --smoke --ways pd colocated_x2`` as a user runs it: four real
+engines (a P/D pair, two colocated engines), two router processes, open-loop arrivals of both
+workloads (the third way, one engine on both cores, is the same ``vllm serve`` without a
+router; left out here for CI's time). Asserts every request of every way finished, the
+engines' own inter-token histograms were read, KV moved over NIXL only for P/D, and the
+results are complete; latencies and SLO shares are not asserted (the full run's report)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_way_answers_every_request_and_the_report_is_complete(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.goodput", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.goodput", "--smoke", "--ways", "pd", "colocated_x2",
+         "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -32,7 +34,7 @@ def test_every_way_answers_every_request_and_the_report_is_complete(tmp_path: Pa
     assert set(result["workloads"]) == {"prefill_heavy", "decode_heavy"}
     for workload in result["workloads"].values():
         (row,) = workload["by_rate"].values()
-        assert set(row) == {"pd", "colocated_x2", "one_engine"}
+        assert set(row) == {"pd", "colocated_x2"}
         for way, run in row.items():
             assert run["requests"] == run["finished"] == 3, (way, run)
             assert len(run["ttft_s"]) == 3 and all(t > 0 for t in run["ttft_s"])
