@@ -281,33 +281,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     save("worker_transfer", workers)
     print("== end to end", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        # One stack (two engines and our router) for both sections.
-        from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
-
-        model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
-        stack_started = time.monotonic()
-        urls, stop, router_pid = end_to_end.start_stack(model, Path(tmp), with_router_pid=True)
-        start_s = time.monotonic() - stack_started
-        try:
-            e2e = end_to_end.measure_stack(
-                urls,
-                model,
-                [1] if args.smoke else [1, 8, 32],
-                1 if args.smoke else 3,
-                8 if args.smoke else 16,
-                scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
-            )
-            e2e.update(engine_start_s=start_s, kv_extra_config={})
-            save("end_to_end", e2e)
-            print("== our router against vllm-router", file=sys.stderr, flush=True)
-            if args.smoke:  # that it runs: two at a time, one round, no untimed round
-                peer = router_peer.run_on(urls, router_pid, model, Path(tmp), [2], 1, 1, False)
-            else:
-                peer = router_peer.run_on(urls, router_pid, model, Path(tmp), [1, 8, 32], 4, 12)
-            save("router_peer", peer)
-        finally:
-            stop()
+    with end_to_end.tiny_stack() as stack:  # one stack (engines, our router) for both sections
+        e2e = end_to_end.measure_stack(
+            stack.urls,
+            stack.model,
+            [1] if args.smoke else [1, 8, 32],
+            1 if args.smoke else 3,
+            8 if args.smoke else 16,
+            scaling_words=[4, 40] if args.smoke else [4, 24, 48, 72, 96],
+        )
+        e2e.update(engine_start_s=stack.start_s, kv_extra_config={})
+        save("end_to_end", e2e)
+        print("== our router against vllm-router", file=sys.stderr, flush=True)
+        on_stack = (stack.urls, stack.router_pid, stack.model, stack.work)
+        if args.smoke:  # that it runs: two at a time, one round, no untimed round
+            peer = router_peer.run_on(*on_stack, [2], 1, 1, warm_up_round=False)
+        else:
+            peer = router_peer.run_on(*on_stack, [1, 8, 32], 4, 12)
+        save("router_peer", peer)
     top = headline(registration, moved, e2e, workers, peer)
     top["wall_s"] = round(time.monotonic() - started)
     (out / f"latest{suffix}.json").write_text(json.dumps(top, indent=2))

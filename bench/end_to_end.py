@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ import httpx
 import numpy
 
 from vllm_hybrid_nixl.connector.progress_pacing import DEFAULT_POLL_US, POLL_KEY
-from vllm_hybrid_nixl.deploy.metrics_text import read_metrics, sample_sum
+from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import prefill_body
 
 RESULTS = Path(__file__).parent / "results"
@@ -149,22 +151,6 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
 
 
-@dataclass(frozen=True)
-class TransferReading:
-    """The decode engine's NIXL counters at one moment (``/metrics``)."""
-
-    bytes: float
-    xfer_s: float  # vllm:nixl_xfer_time_seconds: each read from its post until seen done
-
-    @classmethod
-    def of(cls, decode_url: str) -> TransferReading:
-        text = read_metrics(decode_url, timeout_s=10.0)
-        return cls(
-            sample_sum(text, "vllm:nixl_bytes_transferred_sum"),
-            sample_sum(text, "vllm:nixl_xfer_time_seconds_sum"),
-        )
-
-
 def prompt_scaling(
     urls: dict[str, str], model: str, words: list[int], rounds: int
 ) -> dict[str, Any]:
@@ -186,12 +172,12 @@ def prompt_scaling(
             if tokens + 4 > MAX_MODEL_LEN:
                 break
             for way in ttft:
-                before = TransferReading.of(urls["decode"]) if way == "router" else None
+                before = read_kv_transfer_counters(urls["decode"]) if way == "router" else None
                 ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
                 if before is not None:
-                    after = TransferReading.of(urls["decode"])
-                    moved_bytes.append(after.bytes - before.bytes)
-                    xfer_ms.append((after.xfer_s - before.xfer_s) * 1e3)
+                    moved = read_kv_transfer_counters(urls["decode"]) - before
+                    moved_bytes.append(moved.nixl_bytes)
+                    xfer_ms.append(moved.nixl_xfer_s * 1e3)
         if ttft["router"]:
             rows.append(
                 {
@@ -346,6 +332,35 @@ def measure_stack(
     return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "prompt_scaling": scaling}
 
 
+@dataclass
+class TinyStack:
+    """A running stack of the default tiny hybrid: its model, URLs, router PID, work folder
+    and how long the engines took to come up."""
+
+    model: str
+    urls: dict[str, str]
+    router_pid: int
+    work: Path
+    start_s: float
+
+
+@contextmanager
+def tiny_stack(kv_extra_config: dict | None = None) -> Iterator[TinyStack]:
+    """The default tiny hybrid built in a temporary folder and :func:`start_stack` on it;
+    stopped (by PID) on exit."""
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = str(build_tiny_model(work / "model", TinyModelSpec()))
+        started = time.monotonic()
+        urls, stop, router_pid = start_stack(model, work, kv_extra_config, with_router_pid=True)
+        try:
+            yield TinyStack(model, urls, router_pid, work, time.monotonic() - started)
+        finally:
+            stop()
+
+
 def run(
     concurrency: list[int],
     rounds: int,
@@ -354,18 +369,11 @@ def run(
     scaling_words: list[int] | None = None,
 ) -> dict[str, Any]:
     """:func:`measure_stack` on a stack of its own, started and stopped here."""
-    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(Path(tmp) / "model", TinyModelSpec()))
-        started = time.monotonic()
-        urls, stop = start_stack(model, Path(tmp), kv_extra_config)
-        start_s = time.monotonic() - started
-        try:
-            result = measure_stack(urls, model, concurrency, rounds, max_tokens, scaling_words)
-        finally:
-            stop()
-    return {**result, "engine_start_s": start_s, "kv_extra_config": kv_extra_config or {}}
+    with tiny_stack(kv_extra_config) as stack:
+        result = measure_stack(
+            stack.urls, stack.model, concurrency, rounds, max_tokens, scaling_words
+        )
+    return {**result, "engine_start_s": stack.start_s, "kv_extra_config": kv_extra_config or {}}
 
 
 def main() -> int:

@@ -38,14 +38,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.end_to_end import RESULTS, percentile, start_stack, wait_for_health
+from bench.end_to_end import RESULTS, percentile, tiny_stack, wait_for_health
 
 TARGETS = ("ours", "vllm_router", "decode_alone")
 HEADLINE_CONCURRENCY = (8, 32)
@@ -301,18 +300,17 @@ def run(
     concurrency: list[int], rounds: int, per_slot: int, warm_up_round: bool = True
 ) -> dict[str, Any]:
     """:func:`run_on` on a stack of its own, started and stopped here."""
-    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        model = str(build_tiny_model(work / "model", TinyModelSpec()))
-        urls, stop, router_pid = start_stack(model, work, with_router_pid=True)
-        try:
-            return run_on(
-                urls, router_pid, model, work, concurrency, rounds, per_slot, warm_up_round
-            )
-        finally:
-            stop()
+    with tiny_stack() as stack:
+        return run_on(
+            stack.urls,
+            stack.router_pid,
+            stack.model,
+            stack.work,
+            concurrency,
+            rounds,
+            per_slot,
+            warm_up_round,
+        )
 
 
 def table(result: dict[str, Any]) -> str:
