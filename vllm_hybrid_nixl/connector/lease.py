@@ -354,6 +354,19 @@ class LeaseHolderMixin:
         remote = self._lease_of(request)
         if remote is not None and remote.address is not None and not remote.problem:
             self._renewer.add(request.request_id, remote.address, remote.remote_req, remote.lease_s)
+            self._pin_on_arrival(request)
+
+    def _pin_on_arrival(self, request: Any) -> None:
+        """Ask for the pin as the request arrives, so its answer is usually in by the
+        request's first schedule() (which otherwise asks, skips the request and comes back
+        a step later). The renewer keeps a pinned lease alive while the request queues."""
+        if not compat.transfer_results_api():
+            return  # older releases pin inside the scheduler's step
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return  # it will compute locally: nothing to pin
+        if self._refused_before_loading(request):
+            return  # refused by name at its first schedule()
+        self._pin_in_background(request)
 
     def _finished_on_decode(self, request: Any) -> None:
         req_id = request.request_id
