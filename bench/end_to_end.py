@@ -255,10 +255,15 @@ PACED = {POLL_KEY: DEFAULT_POLL_US}
 
 
 def start_stack(
-    model: str, log_dir: Path, kv_extra_config: dict | None = None, with_router_pid: bool = False
+    model: str,
+    log_dir: Path,
+    kv_extra_config: dict | None = None,
+    with_router_pid: bool = False,
+    confine_cores: bool = True,
 ):
-    """Prefill and decode engines (a core each) and the router process; returns
-    (urls, stop), and the router's PID after them when asked."""
+    """Prefill and decode engines (a core each, or none with ``confine_cores`` False: as a
+    plain ``vllm serve`` starts) and the router process; returns (urls, stop), and the
+    router's PID after them when asked."""
     from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
     from vllm_hybrid_nixl.common.processes import die_with_parent
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
@@ -272,7 +277,7 @@ def start_stack(
                 port=free_port(),
                 role=role,
                 side_channel_port=free_side_channel_port(),
-                cpu_core=core,
+                cpu_core=core if confine_cores else None,
                 extra_args=list(args),
                 kv_extra_config={**PACED, **(kv_extra_config or {})},
             ),
@@ -345,7 +350,9 @@ class TinyStack:
 
 
 @contextmanager
-def tiny_stack(kv_extra_config: dict | None = None) -> Iterator[TinyStack]:
+def tiny_stack(
+    kv_extra_config: dict | None = None, confine_cores: bool = True
+) -> Iterator[TinyStack]:
     """The default tiny hybrid built in a temporary folder and :func:`start_stack` on it;
     stopped (by PID) on exit."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -354,7 +361,9 @@ def tiny_stack(kv_extra_config: dict | None = None) -> Iterator[TinyStack]:
         work = Path(tmp)
         model = str(build_tiny_model(work / "model", TinyModelSpec()))
         started = time.monotonic()
-        urls, stop, router_pid = start_stack(model, work, kv_extra_config, with_router_pid=True)
+        urls, stop, router_pid = start_stack(
+            model, work, kv_extra_config, with_router_pid=True, confine_cores=confine_cores
+        )
         try:
             yield TinyStack(model, urls, router_pid, work, time.monotonic() - started)
         finally:

@@ -48,6 +48,8 @@ from bench.end_to_end import RESULTS, percentile, tiny_stack, wait_for_health
 
 TARGETS = ("ours", "vllm_router", "decode_alone")
 HEADLINE_CONCURRENCY = (8, 32)
+#: The per-round ratios of ours to vllm-router, in the table's column order.
+RATIO_KEYS = ("throughput", "p99_ttft", "p50_ttft")
 
 
 def start_vllm_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -205,6 +207,10 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
     return row
 
 
+def tokens_per_s(targets: dict[str, dict[str, float]], target: str) -> float:
+    return targets[target]["output_tokens_per_s"]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Pooled figures per (target, concurrency), and the headline ratios."""
     table: dict[str, dict[str, dict[str, float]]] = {}
@@ -229,6 +235,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         headline["router_vs_vllm_router_p99_ttft"] = max(
             table[c]["ours"]["ttft_p99_ms"] / table[c]["vllm_router"]["ttft_p99_ms"] for c in both
         )
+        headline["router_vs_vllm_router_p50_ttft"] = max(
+            table[c]["ours"]["ttft_p50_ms"] / table[c]["vllm_router"]["ttft_p50_ms"] for c in both
+        )
+    alone = [
+        str(c)
+        for c in HEADLINE_CONCURRENCY
+        if {"ours", "decode_alone"} <= set(table.get(str(c), {}))
+    ]
+    if alone:  # P/D through our router against its decode engine serving alone
+        headline["pd_vs_decode_alone_tokens_per_s"] = min(
+            tokens_per_s(table[c], "ours") / tokens_per_s(table[c], "decode_alone") for c in alone
+        )
     return {"by_concurrency": table, "headline": headline, "per_round": per_round_ratios(runs)}
 
 
@@ -245,9 +263,10 @@ def per_round_ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[flo
         if len(pair) < 2:
             continue
         ours, peer = pair["ours"], pair["vllm_router"]
-        row = ratios.setdefault(str(c), {"throughput": [], "p99_ttft": []})
+        row = ratios.setdefault(str(c), {"throughput": [], "p99_ttft": [], "p50_ttft": []})
         row["throughput"].append(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
         row["p99_ttft"].append(ours["ttft_p99_ms"] / peer["ttft_p99_ms"])
+        row["p50_ttft"].append(percentile(ours["ttfts_ms"], 50) / percentile(peer["ttfts_ms"], 50))
     return ratios
 
 
@@ -297,10 +316,15 @@ def run_on(
 
 
 def run(
-    concurrency: list[int], rounds: int, per_slot: int, warm_up_round: bool = True
+    concurrency: list[int],
+    rounds: int,
+    per_slot: int,
+    warm_up_round: bool = True,
+    confine_engines: bool = True,
 ) -> dict[str, Any]:
-    """:func:`run_on` on a stack of its own, started and stopped here."""
-    with tiny_stack() as stack:
+    """:func:`run_on` on a stack of its own, started and stopped here; ``confine_engines``
+    False starts the engines as a plain ``vllm serve`` would (no core of their own)."""
+    with tiny_stack(confine_cores=confine_engines) as stack:
         return run_on(
             stack.urls,
             stack.router_pid,
@@ -310,7 +334,7 @@ def run(
             rounds,
             per_slot,
             warm_up_round,
-        )
+        ) | {"engines_confined": confine_engines}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -330,13 +354,14 @@ def table(result: dict[str, Any]) -> str:
             )
     rounds = result.get("per_round", {})
     if rounds:
-        lines += ["", "| ours / vllm-router, round by round: concurrent | throughput | TTFT p99 |"]
-        lines.append("|---|---|---|")
+        lines += [
+            "",
+            "| ours / vllm-router, round by round: concurrent | throughput | TTFT p99 | TTFT p50 |",
+            "|---|---|---|---|",
+        ]
         for c, row in rounds.items():
-            lines.append(
-                f"| {c} | {' '.join(f'{x:.2f}' for x in row['throughput'])} | "
-                f"{' '.join(f'{x:.2f}' for x in row['p99_ttft'])} |"
-            )
+            cells = [" ".join(f"{x:.2f}" for x in row.get(key, [])) for key in RATIO_KEYS]
+            lines.append(f"| {c} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -381,15 +406,30 @@ def main() -> int:
         action="store_false",
         help="skip the untimed round (for a check that it runs, not for figures)",
     )
+    parser.add_argument(
+        "--unconfined-engines",
+        dest="confine_engines",
+        action="store_false",
+        help="start the engines as a plain vllm serve would, without a core each; results "
+        "go to router_peer_unconfined.json and headline keys ending in _unconfined",
+    )
     args = parser.parse_args()
-    result = run(args.concurrency, args.rounds, args.prompts_per_slot, args.warm_up_round)
+    result = run(
+        args.concurrency,
+        args.rounds,
+        args.prompts_per_slot,
+        args.warm_up_round,
+        args.confine_engines,
+    )
     print(table(result))
-    print(json.dumps(result["headline"]))
+    suffix = "" if args.confine_engines else "_unconfined"
+    headline = {f"{key}{suffix}": value for key, value in result["headline"].items()}
+    print(json.dumps(headline))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "router_peer.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "router_peer.png")
-    refresh_latest(result["headline"], out / "latest.json")
+    (out / f"router_peer{suffix}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"router_peer{suffix}.png")
+    refresh_latest(headline, out / "latest.json", section=f"router_peer{suffix}")
     return 0
 
 

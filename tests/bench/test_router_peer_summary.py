@@ -79,6 +79,24 @@ def test_headline_is_the_worse_of_8_and_32() -> None:
     headline = summarize(runs)["headline"]
     assert headline["router_vs_vllm_router_throughput"] == pytest.approx(0.5)
     assert headline["router_vs_vllm_router_p99_ttft"] == pytest.approx(1.5)
+    assert headline["router_vs_vllm_router_p50_ttft"] == pytest.approx(1.5)
+    assert "pd_vs_decode_alone_tokens_per_s" not in headline  # the decode engine never ran
+
+
+def test_pd_against_the_decode_engine_alone_is_the_worse_of_8_and_32() -> None:
+    """``pd_vs_decode_alone_tokens_per_s`` (issue 34's goal: at least 1.0): our router's P/D
+    throughput over the decode engine's serving alone, per concurrency, the lower one."""
+    runs = [
+        run("ours", 8, [100.0] * 10, 1000, 1.0),
+        run("decode_alone", 8, [50.0] * 10, 1000, 0.8),
+        run("ours", 32, [100.0] * 10, 1000, 2.0),
+        run("decode_alone", 32, [50.0] * 10, 1000, 1.0),
+        run("ours", 1, [100.0] * 10, 10, 10.0),
+        run("decode_alone", 1, [100.0] * 10, 100, 1.0),
+    ]
+    result = summarize(runs)
+    assert result["headline"]["pd_vs_decode_alone_tokens_per_s"] == pytest.approx(0.5)
+    assert "router_vs_vllm_router_throughput" not in result["headline"]  # no peer ran
 
 
 def test_every_run_of_a_benchmark_draws_its_own_prompts() -> None:
@@ -114,7 +132,8 @@ def test_each_round_pairs_ours_with_the_peer_of_the_same_round() -> None:
     assert per_round["8"]["throughput"] == pytest.approx([2.0, 0.5])
     assert per_round["8"]["p99_ttft"][0] == pytest.approx(1.0)
     assert per_round["8"]["p99_ttft"][1] > 3.0
-    assert "| 8 | 2.00 0.50 |" in table(result)
+    assert per_round["8"]["p50_ttft"] == pytest.approx([1.0, 1.0])  # one stall moves no median
+    assert "| 8 | 2.00 0.50 | 1.00 " in table(result)
 
 
 def test_a_section_refreshes_its_keys_in_latest_and_keeps_the_others(tmp_path) -> None:
