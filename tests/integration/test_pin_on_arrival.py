@@ -21,9 +21,9 @@ install_cpu_version_alias()
 from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from vllm_hybrid_nixl.connector import compat  # noqa: E402
+from vllm_hybrid_nixl.connector import compat, lease  # noqa: E402
 from vllm_hybrid_nixl.connector.connectors import HybridNixlConnector  # noqa: E402
 from vllm_hybrid_nixl.connector.lease import prompt_digest  # noqa: E402
 from vllm_hybrid_nixl.preflight.dry_run import kv_cache_setup  # noqa: E402
@@ -101,6 +101,26 @@ def wait_for_state(table: LeaseTable, req_id: str, state: LeaseState) -> None:
         time.sleep(0.005)
 
 
+def wait_for_answer(connector: Any, req_id: str) -> None:
+    """Until the pinner thread has the lease service's answer to ``req_id``'s pin."""
+    deadline = time.monotonic() + 10.0
+    while not connector._pins[req_id].done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{req_id}: no answer to its pin")
+        time.sleep(0.005)
+
+
+def schedule_until_answered(connector: Any, request: Request) -> list[tuple]:
+    """``get_num_new_matched_tokens`` as schedule() calls it, step after step, until it
+    gives an answer; every answer in order."""
+    answers = [connector.get_num_new_matched_tokens(request, 0)]
+    deadline = time.monotonic() + 10.0
+    while answers[-1][0] is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        answers.append(connector.get_num_new_matched_tokens(request, 0))
+    return answers
+
+
 def test_the_pin_is_asked_on_arrival_and_the_first_schedule_loads(decode_side) -> None:
     side = decode_side
     side.table.hold("prefill-1")
@@ -108,8 +128,58 @@ def test_the_pin_is_asked_on_arrival_and_the_first_schedule_loads(decode_side) -
     side.connector.on_new_request(request)
     # pinned with no schedule() yet: the question left as the request arrived
     wait_for_state(side.table, "prefill-1", LeaseState.PINNED)
+    wait_for_answer(side.connector, "decode-1")
     tokens, load_async = side.connector.get_num_new_matched_tokens(request, 0)
     assert tokens is not None and tokens > 0 and load_async  # loads at its first schedule()
+
+
+def test_a_pin_from_long_before_the_first_schedule_is_asked_again(
+    decode_side, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that queued since its pin on arrival reads only after a fresh answer (the
+    same reader pinning again renews its pin)."""
+    monkeypatch.setattr(lease, "REPIN_AFTER_S", 0.0)  # every early pin counts as old
+    side = decode_side
+    side.table.hold("prefill-4")
+    request = decode_request(side, "decode-4", "prefill-4")
+    side.connector.on_new_request(request)
+    wait_for_answer(side.connector, "decode-4")
+    first_pin = side.connector._pin_sent["decode-4"]
+    answers = schedule_until_answered(side.connector, request)
+    assert answers[0] == (None, False)  # asked again, not read on the old answer
+    tokens, load_async = answers[-1]
+    assert tokens is not None and tokens > 0 and load_async
+    assert side.table.status("prefill-4").state is LeaseState.PINNED
+    assert side.connector._pin_holds["decode-4"] > first_pin + side.table.pin_s
+
+
+def test_a_request_aborted_after_its_pin_frees_the_prefill_blocks_at_once(decode_side) -> None:
+    """Aborted while queued, after its pin on arrival was granted: the pin is its own, so
+    vLLM's notice that frees the prefill's blocks goes out (not a pin held for pin_s)."""
+    side = decode_side
+    side.table.hold("prefill-5")
+    request = decode_request(side, "decode-5", "prefill-5")
+    side.connector.on_new_request(request)
+    wait_for_answer(side.connector, "decode-5")
+    request.status = RequestStatus.FINISHED_ABORTED
+    side.connector.request_finished_all_groups(request, ([], []))
+    assert "decode-5" in side.connector.connector_scheduler._reqs_need_recv  # the notice
+
+
+def test_vllms_stand_in_for_a_rejected_request_is_neither_pinned_nor_refused(
+    decode_side,
+) -> None:
+    """vLLM's API server hands the engine a one-token, pre-aborted stand-in for a decode
+    request it rejected; it carries the prefill's parameters but is never read."""
+    side = decode_side
+    side.table.hold("prefill-6")
+    params = decode_request(side, "x", "prefill-6").kv_transfer_params
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    request = Request("decode-6", [0], sampling, None, abort_immediately=True)
+    side.connector.on_new_request(request)
+    assert "decode-6" not in side.connector._pins
+    assert "decode-6" not in side.connector._refused_early  # no refusal logged by name
+    assert side.table.status("prefill-6").state is LeaseState.HELD
 
 
 def test_a_request_whose_lease_is_gone_is_refused_by_name_at_its_first_schedule(
@@ -121,13 +191,8 @@ def test_a_request_whose_lease_is_gone_is_refused_by_name_at_its_first_schedule(
     side.table.settle({"prefill-2"})  # read by another decode engine and freed
     request = decode_request(side, "decode-2", "prefill-2")
     side.connector.on_new_request(request)
-    deadline = time.monotonic() + 10.0
-    answer = side.connector.get_num_new_matched_tokens(request, 0)
-    while answer[0] is None and time.monotonic() < deadline:  # pin answer still on its way
-        answer = side.connector.get_num_new_matched_tokens(request, 0)
-    assert answer[0] is not None
-    connector = side.connector
-    refusal = connector._refused_reads.get("decode-2") or connector._lease_pending.get("decode-2")
+    assert schedule_until_answered(side.connector, request)[-1][0] is not None
+    refusal = side.connector._refused_reads.get("decode-2")  # the default policy: fail
     assert refusal and "released" in refusal and "prefill-2" in refusal, refusal
 
 
@@ -139,6 +204,6 @@ def test_a_prompt_that_is_not_the_prefilled_one_is_never_pinned(decode_side) -> 
     request = decode_request(side, "decode-3", "prefill-3")
     request.prompt_token_ids[5] += 1  # another prompt under the same parameters
     side.connector.on_new_request(request)
-    time.sleep(0.2)
-    assert side.table.status("prefill-3").state is LeaseState.HELD
     assert "decode-3" not in side.connector._pins
+    assert "decode-3" in side.connector._refused_early
+    assert side.table.status("prefill-3").state is LeaseState.HELD

@@ -85,6 +85,9 @@ DEFAULT_LEASE_S = 30.0
 UNREACHABLE_HOLD_S = 10.0
 #: A pin slower than this is logged: the decode engine core waits for it every step it pins.
 SLOW_PIN_S = 0.1
+#: A pin asked as its request arrived is asked again at the request's first schedule()
+#: when it is older than this (the request queued): the read then follows a fresh answer.
+REPIN_AFTER_S = 1.0
 #: Refusals a decode worker hands from its scheduler, on vLLM's connector metadata.
 REFUSALS_ATTRIBUTE = "hybrid_lease_refusals"
 #: Expired leases a prefill worker reports as finished sends, on vLLM's connector metadata.
@@ -208,6 +211,7 @@ class LeaseHolderMixin:
         self._refused_reads: dict[str, str] = {}  # decode: refused pins -> their messages
         self._pin_sent: dict[str, float] = {}  # decode: when each pin under way was asked
         self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
+        self._early_pins: dict[str, float] = {}  # decode: pins asked on arrival -> when
         self._reading: set[str] = set()  # decode: pinned requests whose read has started
         self._digest_port: int | None = None  # prefill: where its workers serve KV digests
         self._digest_sources: dict[str, Any] = {}  # prefill: blocks to digest next step
@@ -364,9 +368,23 @@ class LeaseHolderMixin:
             return  # older releases pin inside the scheduler's step
         if getattr(request, "skip_reading_prefix_cache", False):
             return  # it will compute locally: nothing to pin
+        if getattr(request, "abort_immediately", False):
+            return  # vLLM's stand-in for a request its API server rejected: never read
         if self._refused_before_loading(request):
             return  # refused by name at its first schedule()
-        self._pin_in_background(request)
+        if self._pin_in_background(request):
+            self._early_pins[request.request_id] = time.monotonic()
+
+    def _pin_granted(self, req_id: str) -> bool:
+        """Whether the request's pin is answered and granted, its answer not yet read by
+        its first schedule()."""
+        future = self._pins.get(req_id)
+        if future is None or not future.done():
+            return False
+        try:
+            return bool(future.result().readable)
+        except Exception:  # noqa: BLE001 - a failed question grants nothing
+            return False
 
     def _finished_on_decode(self, request: Any) -> None:
         req_id = request.request_id
@@ -377,12 +395,14 @@ class LeaseHolderMixin:
             and isinstance(params, dict)
             and params.get("do_remote_prefill")
             and req_id not in self._pinned
+            and not self._pin_granted(req_id)  # pinned on arrival, aborted while queued
             and self._lease_of(request) is not None
         ):
             # Finished (aborted) before its pin: vLLM would send the prefill a notice that
             # frees the blocks, possibly under the reader that pinned them. The lease ends
-            # them instead.
+            # them instead. (A granted pin is this request's own: the notice ends it.)
             params["do_remote_prefill"] = False
+        self._early_pins.pop(req_id, None)
         self._refused_early.discard(req_id)
         self._accepted.pop(req_id, None)
         self._pins.pop(req_id, None)
@@ -448,6 +468,16 @@ class LeaseHolderMixin:
             status = future.result()
         except Exception as exc:  # noqa: BLE001 - the Pinner answers statuses; never trust it
             status = LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.300}")
+        asked_early = self._early_pins.pop(req_id, None)
+        if status.readable and asked_early is not None and sent is not None:
+            if time.monotonic() - sent > REPIN_AFTER_S:
+                # Queued a while since its pin on arrival: ask again (the same reader only
+                # renews), so the read starts as close to a fresh answer as a late pin's.
+                self._pin_sent[req_id] = time.monotonic()
+                self._pins[req_id] = self._pinner.submit(
+                    remote.address, remote.remote_req, self._reader(req_id)
+                )
+                return True
         if status.readable:
             self._pinned.add(req_id)
             if sent is not None and remote.pin_s is not None:
