@@ -131,6 +131,14 @@ class RemoteKv:
         return f"prefill request {self.remote_req} on engine {self.engine}{where}"
 
 
+def _pin_answer(future: Future[LeaseStatus]) -> LeaseStatus:
+    """A finished pin's status; a failed question is an ``UNKNOWN`` status naming why."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - the Pinner answers statuses; never trust it
+        return LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.300}")
+
+
 def refusal_message(
     decode_req: str,
     remote_req: str,
@@ -211,7 +219,7 @@ class LeaseHolderMixin:
         self._refused_reads: dict[str, str] = {}  # decode: refused pins -> their messages
         self._pin_sent: dict[str, float] = {}  # decode: when each pin under way was asked
         self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
-        self._early_pins: dict[str, float] = {}  # decode: pins asked on arrival -> when
+        self._early_pins: set[str] = set()  # decode: pins asked as the request arrived
         self._reading: set[str] = set()  # decode: pinned requests whose read has started
         self._digest_port: int | None = None  # prefill: where its workers serve KV digests
         self._digest_sources: dict[str, Any] = {}  # prefill: blocks to digest next step
@@ -373,18 +381,13 @@ class LeaseHolderMixin:
         if self._refused_before_loading(request):
             return  # refused by name at its first schedule()
         if self._pin_in_background(request):
-            self._early_pins[request.request_id] = time.monotonic()
+            self._early_pins.add(request.request_id)
 
     def _pin_granted(self, req_id: str) -> bool:
         """Whether the request's pin is answered and granted, its answer not yet read by
         its first schedule()."""
         future = self._pins.get(req_id)
-        if future is None or not future.done():
-            return False
-        try:
-            return bool(future.result().readable)
-        except Exception:  # noqa: BLE001 - a failed question grants nothing
-            return False
+        return future is not None and future.done() and _pin_answer(future).readable
 
     def _finished_on_decode(self, request: Any) -> None:
         req_id = request.request_id
@@ -402,7 +405,7 @@ class LeaseHolderMixin:
             # frees the blocks, possibly under the reader that pinned them. The lease ends
             # them instead. (A granted pin is this request's own: the notice ends it.)
             params["do_remote_prefill"] = False
-        self._early_pins.pop(req_id, None)
+        self._early_pins.discard(req_id)
         self._refused_early.discard(req_id)
         self._accepted.pop(req_id, None)
         self._pins.pop(req_id, None)
@@ -456,27 +459,20 @@ class LeaseHolderMixin:
             return False
         future = self._pins.get(req_id)
         if future is None:
-            reader = self._reader(req_id)
-            self._pin_sent[req_id] = time.monotonic()  # before the question: a lower bound
-            self._pins[req_id] = self._pinner.submit(remote.address, remote.remote_req, reader)
+            self._ask_pin(req_id, remote)
             return True
         if not future.done():
             return True
         del self._pins[req_id]
         sent = self._pin_sent.pop(req_id, None)
-        try:
-            status = future.result()
-        except Exception as exc:  # noqa: BLE001 - the Pinner answers statuses; never trust it
-            status = LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.300}")
-        asked_early = self._early_pins.pop(req_id, None)
-        if status.readable and asked_early is not None and sent is not None:
+        status = _pin_answer(future)
+        asked_early = req_id in self._early_pins
+        self._early_pins.discard(req_id)
+        if status.readable and asked_early and sent is not None:
             if time.monotonic() - sent > REPIN_AFTER_S:
                 # Queued a while since its pin on arrival: ask again (the same reader only
                 # renews), so the read starts as close to a fresh answer as a late pin's.
-                self._pin_sent[req_id] = time.monotonic()
-                self._pins[req_id] = self._pinner.submit(
-                    remote.address, remote.remote_req, self._reader(req_id)
-                )
+                self._ask_pin(req_id, remote)
                 return True
         if status.readable:
             self._pinned.add(req_id)
@@ -485,6 +481,14 @@ class LeaseHolderMixin:
         else:
             self._refused_reads[req_id] = self._refusal(req_id, remote, status, self._lease_policy)
         return False
+
+    def _ask_pin(self, req_id: str, remote: RemoteKv) -> None:
+        """Send the request's pin question to its prefill's lease service (background)."""
+        assert self._pinner is not None and remote.address is not None  # checked by callers
+        self._pin_sent[req_id] = time.monotonic()  # before the question: a lower bound
+        self._pins[req_id] = self._pinner.submit(
+            remote.address, remote.remote_req, self._reader(req_id)
+        )
 
     def _lease_of(self, request: Any) -> RemoteKv | None:
         """Where a request's KV is to come from; None when it comes from no prefill engine,
