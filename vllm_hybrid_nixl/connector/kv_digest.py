@@ -16,11 +16,20 @@ arithmetic wraps identically on CPU and CUDA, so both give the same digest. An o
 invertible mod 2**64, so a change of any single word always changes lane_a; a page holding
 another prompt's KV differs in many words and collides with probability about 2**-128. It is
 a check against wrong or damaged bytes, not a cryptographic MAC.
+
+Reads by a decode engine of a larger tensor-parallel size move a slice of each page: part
+``j`` of ``r`` of every *region* of a piece (a K or V half holds one region, its heads; a Mamba
+state holds its conv sub-projections and its temporal state). Both lanes are sums over word
+positions, so a prefill worker whose group has a :class:`CellPlan` keeps them per *cell* (each
+region cut into ``cells`` equal parts, weights still those of the whole piece): the cells add
+up to the page digest, and cells ``j*cells/r .. (j+1)*cells/r`` of every region add up to what
+decode rank part ``j`` received, which that rank digests with the same weights
+(:meth:`PageDigester.digest_mapped`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +40,9 @@ from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, ValidatedLayer
 
 WORD_BYTES = 8
 MIX_SHIFT = 29
+#: The most cells a region is cut into: reads by a decode TP up to this many times the
+#: prefill's (a power of two) can be verified.
+MAX_CELLS = 64
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,6 +96,54 @@ def page_geometry(item: ValidatedLayer) -> PageGeometry:
     return geometry
 
 
+Region = tuple[int, int]  # (start, length) in bytes within a piece
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """How every kernel page of a group is cut for reads by a larger decode TP: per piece,
+    its regions (contiguous, covering the piece from byte 0), each cut into ``cells``
+    equal, 8-byte-aligned parts."""
+
+    regions: tuple[tuple[Region, ...], ...]
+    cells: int
+
+    @property
+    def region_count(self) -> int:
+        return sum(len(piece) for piece in self.regions)
+
+
+def plan_cells(regions: Sequence[Sequence[Region]], limit: int = MAX_CELLS) -> CellPlan | None:
+    """The finest power-of-two cut (at most ``limit`` cells a region) that keeps every cell
+    word-aligned; None when the regions do not tile their pieces from byte 0 or a region is
+    not whole words (one cell a region: only reads of whole pages can be answered)."""
+    cells = limit
+    lengths = [length for piece in regions for _, length in piece]
+    for piece in regions:
+        cursor = 0
+        for start, length in piece:
+            if start != cursor or length <= 0:
+                return None
+            cursor += length
+    while cells > 1 and any(length % (WORD_BYTES * cells) for length in lengths):
+        cells //= 2
+    if not lengths or any(length % WORD_BYTES for length in lengths):
+        return None
+    return CellPlan(tuple(tuple(piece) for piece in regions), cells)
+
+
+def part_of_cells(cells: np.ndarray, ratio: int, part: int) -> np.ndarray:
+    """``[n, 2]`` lanes of part ``part`` of ``ratio`` of every region, from ``[n, regions,
+    cells, 2]`` cell lanes (``ratio`` must divide the cell count)."""
+    count = cells.shape[2]
+    if ratio < 1 or count % ratio or not 0 <= part < ratio:
+        raise ValueError(f"part {part} of {ratio} does not fall on {count} cells a region")
+    width = count // ratio
+    chosen = cells[:, :, part * width : (part + 1) * width, :]
+    with np.errstate(over="ignore"):
+        return chosen.sum(axis=(1, 2), dtype=np.uint64)
+
+
 def _splitmix64(indices: np.ndarray, seed: int) -> np.ndarray:
     """Deterministic pseudo-random 64-bit values for ``indices`` (SplitMix64)."""
     with np.errstate(over="ignore"):
@@ -122,8 +182,14 @@ class _Layer:
 class PageDigester:
     """Digests of kernel pages per KV-cache group, over every layer of the group."""
 
-    def __init__(self, layers: Sequence[tuple[int, torch.Tensor, ValidatedLayer]]) -> None:
-        """``layers``: (transfer group, the layer's cache tensor, its validated layer)."""
+    def __init__(
+        self,
+        layers: Sequence[tuple[int, torch.Tensor, ValidatedLayer]],
+        plans: Mapping[int, CellPlan] | None = None,
+    ) -> None:
+        """``layers``: (transfer group, the layer's cache tensor, its validated layer);
+        ``plans``: the cell plan of groups that can serve or check split reads (kept for a
+        group only where every layer's pieces have the plan's lengths)."""
         self._groups: dict[int, list[_Layer]] = {}
         self._weights: dict[tuple[str, int, int], torch.Tensor] = {}
         for group, cache, item in layers:
@@ -132,10 +198,20 @@ class PageDigester:
             )
             members = self._groups.setdefault(group, [])
             members.append(_Layer(storage, page_geometry(item), len(members)))
+        self._plans = {
+            group: plan
+            for group, plan in (plans or {}).items()
+            if self._groups.get(group)
+            and all(_plan_fits(plan, entry.geometry) for entry in self._groups[group])
+        }
 
     @property
     def groups(self) -> list[int]:
         return sorted(self._groups)
+
+    def plan(self, group: int) -> CellPlan | None:
+        """The cell plan this group's pages are digested with (None: whole pages only)."""
+        return self._plans.get(group)
 
     def _lane_weights(self, device: torch.device, words: int, lane: int) -> torch.Tensor:
         key = (str(device), words, lane)
@@ -145,29 +221,112 @@ class PageDigester:
             self._weights[key] = weights
         return weights
 
-    def digest(self, group: int, pages: Sequence[int]) -> np.ndarray:
-        """``[len(pages), 2]`` uint64 lanes for kernel pages ``pages`` of ``group``."""
+    def _members(self, group: int, pages: Sequence[int]) -> list[_Layer]:
         layers = self._groups.get(group)
         if layers is None:
             raise KeyError(f"no KV-cache group {group} on this worker")
+        for entry in layers:
+            if pages and (min(pages) < 0 or max(pages) >= entry.geometry.pages):
+                raise IndexError(f"kernel page out of range 0..{entry.geometry.pages - 1}: {pages}")
+        return layers
+
+    def _terms(self, words: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both lanes' weighted words (weights of word positions ``first..``)."""
+        count = words.shape[1]
+        device = words.device
+        lane_a = words * self._lane_weights(device, first + count, 0)[first:]
+        lane_b = _mixed(words).mul_(self._lane_weights(device, first + count, 1)[first:])
+        return lane_a, lane_b
+
+    def digest(self, group: int, pages: Sequence[int]) -> np.ndarray:
+        """``[len(pages), 2]`` uint64 lanes for kernel pages ``pages`` of ``group``."""
+        return self.digest_cells(group, pages)[0]
+
+    def digest_cells(
+        self, group: int, pages: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The page lanes and, for a group with a cell plan, ``[len(pages), regions, cells,
+        2]`` uint64 cell lanes that add up to them."""
+        layers = self._members(group, pages)
+        plan = self._plans.get(group)
+        if not pages:
+            shape = None if plan is None else (0, plan.region_count, plan.cells, 2)
+            empty_cells = None if shape is None else np.zeros(shape, dtype=np.uint64)
+            return np.zeros((0, 2), dtype=np.uint64), empty_cells
+        total: torch.Tensor | None = None
+        for entry in layers:
+            index = torch.tensor(list(pages), dtype=torch.int64, device=entry.storage.device)
+            parts: list[torch.Tensor] = []
+            for piece, (offset, length) in enumerate(entry.geometry.pieces):
+                lane_a, lane_b = self._terms(_gathered_words(entry, offset, length, index))
+                multiplier = piece_multiplier(entry.index, piece)
+                if plan is None:
+                    parts.append(torch.stack((lane_a.sum(dim=1), lane_b.sum(dim=1)), dim=1))
+                else:
+                    regions = plan.regions[piece]
+                    parts.append(
+                        torch.stack(
+                            (
+                                _cell_sums(lane_a, regions, plan.cells),
+                                _cell_sums(lane_b, regions, plan.cells),
+                            ),
+                            dim=-1,
+                        )
+                    )
+                parts[-1] = parts[-1] * multiplier
+            layer_lanes = sum(parts[1:], parts[0]) if plan is None else torch.cat(parts, dim=1)
+            total = layer_lanes if total is None else total + layer_lanes
+        assert total is not None  # a group has at least one layer
+        if plan is None:
+            return total.cpu().numpy().view(np.uint64), None
+        cells = total.cpu().numpy().view(np.uint64)
+        with np.errstate(over="ignore"):
+            lanes = cells.sum(axis=(1, 2), dtype=np.uint64)
+        return lanes, cells
+
+    def digest_mapped(self, group: int, pages: Sequence[int], ratio: int, part: int) -> np.ndarray:
+        """``[len(pages), 2]`` lanes of this worker's pages read as part ``part`` of
+        ``ratio`` of a larger remote page: each local region digested with the weights of
+        the place it came from (region start x ``ratio`` + ``part`` x its length), so they
+        equal the remote cells of that part (:func:`part_of_cells`)."""
+        layers = self._members(group, pages)
+        plan = self._plans.get(group)
+        if plan is None:
+            raise KeyError(f"KV-cache group {group} has no cell plan on this worker")
         if not pages:
             return np.zeros((0, 2), dtype=np.uint64)
         total: torch.Tensor | None = None
         for entry in layers:
-            geometry = entry.geometry
-            if min(pages) < 0 or max(pages) >= geometry.pages:
-                raise IndexError(f"kernel page out of range 0..{geometry.pages - 1}: {pages}")
-            device = entry.storage.device
-            index = torch.tensor(list(pages), dtype=torch.int64, device=device)
-            for piece, (offset, length) in enumerate(geometry.pieces):
-                words = _gathered_words(entry, offset, length, index)
-                count = words.shape[1]
-                lane_a = (words * self._lane_weights(device, count, 0)).sum(dim=1)
-                lane_b = _mixed(words).mul_(self._lane_weights(device, count, 1)).sum(dim=1)
-                lanes = torch.stack((lane_a, lane_b), dim=1) * piece_multiplier(entry.index, piece)
-                total = lanes if total is None else total + lanes
-        assert total is not None  # a group has at least one layer
+            index = torch.tensor(list(pages), dtype=torch.int64, device=entry.storage.device)
+            for piece, (offset, _) in enumerate(entry.geometry.pieces):
+                multiplier = piece_multiplier(entry.index, piece)
+                for start, length in plan.regions[piece]:
+                    words = _gathered_words(entry, offset + start, length, index)
+                    first = (ratio * start + part * length) // WORD_BYTES
+                    lane_a, lane_b = self._terms(words, first)
+                    lanes = torch.stack((lane_a.sum(dim=1), lane_b.sum(dim=1)), dim=1)
+                    lanes = lanes * multiplier
+                    total = lanes if total is None else total + lanes
+        assert total is not None
         return total.cpu().numpy().view(np.uint64)
+
+
+def _plan_fits(plan: CellPlan, geometry: PageGeometry) -> bool:
+    """The plan's regions tile exactly this geometry's pieces."""
+    return len(plan.regions) == len(geometry.pieces) and all(
+        sum(length for _, length in regions) == piece_length
+        for regions, (_, piece_length) in zip(plan.regions, geometry.pieces, strict=True)
+    )
+
+
+def _cell_sums(terms: torch.Tensor, regions: Sequence[Region], cells: int) -> torch.Tensor:
+    """``[n, len(regions), cells]`` sums of ``[n, words]`` weighted words, cell by cell."""
+    rows = terms.shape[0]
+    sums = []
+    for start, length in regions:
+        first, count = start // WORD_BYTES, length // WORD_BYTES
+        sums.append(terms[:, first : first + count].reshape(rows, cells, -1).sum(dim=-1))
+    return torch.stack(sums, dim=1)
 
 
 def _gathered_words(entry: _Layer, offset: int, length: int, index: torch.Tensor) -> torch.Tensor:
