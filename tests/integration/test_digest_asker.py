@@ -90,3 +90,31 @@ def test_a_failed_question_is_asked_again_by_a_later_deadline() -> None:
     asker.ask(endpoint, "req-4", time.monotonic() + 10)
     assert poll_until(asker, endpoint, "req-4")[0].of() == READY[0].of()
     asker.close()
+
+
+def test_a_split_question_gets_the_part_of_each_page_or_says_why_not() -> None:
+    """A decode rank of twice the prefill's TP asks for part 1 of 2 of group 0 (kept per
+    cell: 2 regions x 4 cells) and of group 1 (digested whole): it gets group 0's lanes of
+    that part (the sum of cells 2..3 of both regions) and, for group 1, why not."""
+    cells = np.arange(2 * 2 * 4 * 2, dtype=np.uint64).reshape(2, 2, 4, 2) * np.uint64(2**61)
+    pages = np.array([7, 8], dtype=np.int64)
+    whole = GroupDigests(np.array([1], dtype=np.int64), np.ones((1, 2), np.uint64))
+    kept = {0: GroupDigests(pages, cells.sum(axis=(1, 2), dtype=np.uint64), cells), 1: whole}
+    port = free_port()
+    DigestServer(lambda r: kept if r == "req-split" else None, "127.0.0.1", port)
+    endpoint = endpoint_of("127.0.0.1", port)
+    asker = DigestAsker()
+    asker.ask(endpoint, "req-split", time.monotonic() + 10, {0: (2, 1, 2), 1: (2, 1, 1)})
+    found = poll_until(asker, endpoint, "req-split")
+    with np.errstate(over="ignore"):
+        expected = cells[:, :, 2:4, :].sum(axis=(1, 2), dtype=np.uint64)
+    assert np.array_equal(found[0].pages, pages)
+    assert np.array_equal(found[0].lanes, expected)
+    assert not np.array_equal(found[0].lanes, kept[0].lanes)
+    assert "digested whole" in found[1].unverifiable and found[1].pages.size == 0
+    # a part the cells cannot give (3 parts of 4 cells), and regions that differ
+    asker.ask(endpoint, "req-split", time.monotonic() + 10, {0: (3, 0, 2)})
+    assert "does not fall on 4 cells" in poll_until(asker, endpoint, "req-split")[0].unverifiable
+    asker.ask(endpoint, "req-split", time.monotonic() + 10, {0: (2, 0, 3)})
+    assert "regions" in poll_until(asker, endpoint, "req-split")[0].unverifiable
+    asker.close()

@@ -114,3 +114,22 @@ def test_malformed_and_random_messages_get_errors_and_the_service_keeps_serving(
         assert reply is not None and set(reply) == {"error"}, (message[:40], reply)
     assert raw_ask(endpoint, b"x" * (MAX_REQUEST_BYTES + 1)) is None  # dropped unread
     assert ask_digests(endpoint, "ready", 5.0)[2].of() == DIGESTS[2].of()
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        [],
+        {"0": [2, 2, 1]},
+        {"0": [0, 0, 1]},
+        {"x": [2, 0, 1]},
+        {"0": [2, 0]},
+        {"0": [True, 0, 1]},
+        {"0": [2, 0, 10**9]},
+        {str(g): [2, 0, 1] for g in range(65)},
+    ],
+)
+def test_a_malformed_split_is_an_error_for_that_request(endpoint: str, split) -> None:
+    reply = raw_ask(endpoint, json.dumps({"op": "digest", "req": "ready", "split": split}).encode())
+    assert reply is not None and reply.get("req") == "ready" and "split" in reply["error"]
+    assert raw_ask(endpoint, b'{"op": "digest", "req": "ready"}')["state"] == "ready"

@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from vllm_hybrid_nixl.connector.kv_cache_facts import describe_cache
-from vllm_hybrid_nixl.connector.kv_digest import (
-    CellPlan,
-    PageDigester,
-    part_of_cells,
-    plan_cells,
-)
+from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_cells
+from vllm_hybrid_nixl.protocol.digest_wire import part_of_cells
 from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, check_layout
 
 pytestmark = pytest.mark.unit

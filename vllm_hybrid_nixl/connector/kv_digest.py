@@ -132,18 +132,6 @@ def plan_cells(regions: Sequence[Sequence[Region]], limit: int = MAX_CELLS) -> C
     return CellPlan(tuple(tuple(piece) for piece in regions), cells)
 
 
-def part_of_cells(cells: np.ndarray, ratio: int, part: int) -> np.ndarray:
-    """``[n, 2]`` lanes of part ``part`` of ``ratio`` of every region, from ``[n, regions,
-    cells, 2]`` cell lanes (``ratio`` must divide the cell count)."""
-    count = cells.shape[2]
-    if ratio < 1 or count % ratio or not 0 <= part < ratio:
-        raise ValueError(f"part {part} of {ratio} does not fall on {count} cells a region")
-    width = count // ratio
-    chosen = cells[:, :, part * width : (part + 1) * width, :]
-    with np.errstate(over="ignore"):
-        return chosen.sum(axis=(1, 2), dtype=np.uint64)
-
-
 def _splitmix64(indices: np.ndarray, seed: int) -> np.ndarray:
     """Deterministic pseudo-random 64-bit values for ``indices`` (SplitMix64)."""
     with np.errstate(over="ignore"):
@@ -288,7 +276,7 @@ class PageDigester:
         """``[len(pages), 2]`` lanes of this worker's pages read as part ``part`` of
         ``ratio`` of a larger remote page: each local region digested with the weights of
         the place it came from (region start x ``ratio`` + ``part`` x its length), so they
-        equal the remote cells of that part (:func:`part_of_cells`)."""
+        equal the remote cells of that part (``digest_wire.part_of_cells``)."""
         layers = self._members(group, pages)
         plan = self._plans.get(group)
         if plan is None:

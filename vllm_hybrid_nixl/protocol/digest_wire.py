@@ -8,6 +8,12 @@ Request ``{"op": "digest", "req": prefill request id}``; reply ``{"req": id, "st
 error and keeps serving (requests are capped in size); on the asking side every reply that
 is not this protocol raises :class:`DigestAskFailed`.
 
+A decode rank of a larger TP size reads part ``j`` of ``r`` of every region of a page; it asks
+with ``"split": {group: [r, j, regions]}`` and gets, for those groups, each page's lanes of
+that part (the prefill keeps its lanes per cell, ``connector.kv_digest``); a group the prefill
+cannot cut that way comes back under ``"unsplit": {group: why}``, and the decode logs those
+reads as unverified.
+
 Each prefill worker rank listens on the engine's digest port base (carried in the lease
 value, ``digest_port``) plus its tensor-parallel rank; the base is the NIXL side-channel port
 plus ``common.netutil.DIGEST_PORT_OFFSET`` (500) plus the data-parallel rank times the TP size.
@@ -32,6 +38,13 @@ logger = logging.getLogger("vllm.hybrid_nixl.digest")
 
 MAX_REQUEST_BYTES = 4096
 MAX_ID_CHARS = 256
+#: Bounds of a split question: groups asked, the TP ratio, the regions a page holds.
+MAX_SPLIT_GROUPS = 64
+MAX_SPLIT_RATIO = 1024
+MAX_SPLIT_REGIONS = 4096
+
+#: A decode rank's part of the prefill's pages, per group: (ratio, part, regions a page).
+Split = dict[int, tuple[int, int, int]]
 #: Largest reply a decode worker reads (a 1M-token prompt at block 16 is ~2 MB per group).
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
@@ -40,12 +53,36 @@ class DigestAskFailed(ConnectionError):
     """The digest question got no usable answer (the message says why)."""
 
 
+def part_of_cells(cells: np.ndarray, ratio: int, part: int) -> np.ndarray:
+    """``[n, 2]`` lanes of part ``part`` of ``ratio`` of every region, from ``[n, regions,
+    cells, 2]`` cell lanes (raises ValueError when ``ratio`` does not divide the cells)."""
+    count = cells.shape[2]
+    if ratio < 1 or count % ratio or not 0 <= part < ratio:
+        raise ValueError(f"part {part} of {ratio} does not fall on {count} cells a region")
+    width = count // ratio
+    chosen = cells[:, :, part * width : (part + 1) * width, :]
+    with np.errstate(over="ignore"):
+        return chosen.sum(axis=(1, 2), dtype=np.uint64)
+
+
 @dataclass(frozen=True)
 class GroupDigests:
     """Kernel page ids of one KV-cache group and their two digest lanes each."""
 
     pages: np.ndarray  # int64 [n]
     lanes: np.ndarray  # uint64 [n, 2]
+    cells: np.ndarray | None = None  # uint64 [n, regions, cells, 2]: kept, never sent
+    unverifiable: str = ""  # a split the prefill could not answer: why (no pages then)
+
+    def part(self, ratio: int, part: int, regions: int) -> GroupDigests:
+        """These pages' lanes of part ``part`` of ``ratio`` of every region (raises
+        ValueError, saying why, when the kept cells cannot give it)."""
+        cells = self.cells
+        if cells is None:
+            raise ValueError("its pages were digested whole (no cell plan on this rank)")
+        if cells.shape[1] != regions:
+            raise ValueError(f"its pages hold {cells.shape[1]} regions, the asker {regions}")
+        return GroupDigests(self.pages, part_of_cells(cells, ratio, part))
 
     def of(self) -> dict[int, tuple[int, int]]:
         return {int(p): (int(a), int(b)) for p, (a, b) in zip(self.pages, self.lanes, strict=True)}
@@ -78,6 +115,34 @@ def _error(message: str) -> dict[str, object]:
     return {"error": message}
 
 
+def parse_split(value: object) -> Split:
+    """A question's ``split`` (raises ValueError, saying what is wrong)."""
+    if not isinstance(value, dict) or len(value) > MAX_SPLIT_GROUPS:
+        raise ValueError(f"split must be an object of at most {MAX_SPLIT_GROUPS} groups")
+    split: Split = {}
+    for key, item in value.items():
+        if (
+            not isinstance(key, str)
+            or not key.isdigit()
+            or not isinstance(item, list)
+            or len(item) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        ):
+            raise ValueError("split maps a group number to [ratio, part, regions]")
+        ratio, part, regions = item
+        if not (
+            1 <= ratio <= MAX_SPLIT_RATIO
+            and 0 <= part < ratio
+            and 1 <= regions <= MAX_SPLIT_REGIONS
+        ):
+            raise ValueError(
+                f"split [{ratio}, {part}, {regions}] is out of range (ratio 1..{MAX_SPLIT_RATIO},"
+                f" part 0..ratio-1, regions 1..{MAX_SPLIT_REGIONS})"
+            )
+        split[int(key)] = (ratio, part, regions)
+    return split
+
+
 def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
     """The reply to one message (an ``error`` reply for anything malformed)."""
     try:
@@ -90,6 +155,10 @@ def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
     if not isinstance(req, str) or not 0 < len(req) <= MAX_ID_CHARS:
         return _error(f"req must be a request id (a string of 1..{MAX_ID_CHARS} characters)")
     try:
+        split = parse_split(request["split"]) if "split" in request else {}
+    except ValueError as exc:
+        return {"req": req, "error": str(exc)}
+    try:
         found = lookup(req)
     except Exception as exc:  # noqa: BLE001 - the asker learns why, by its request id
         return {"req": req, "error": f"the digest service failed on it: {exc!r:.200}"}
@@ -97,8 +166,20 @@ def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
         return {"req": req, "state": "unknown"}
     if isinstance(found, str):
         return {"req": req, "state": "pending"}
-    groups = {str(group): digests.to_wire() for group, digests in found.items()}
-    return {"req": req, "state": "ready", "groups": groups}
+    groups: dict[str, object] = {}
+    unsplit: dict[str, str] = {}
+    for group, digests in found.items():
+        if group not in split:
+            groups[str(group)] = digests.to_wire()
+            continue
+        try:
+            groups[str(group)] = digests.part(*split[group]).to_wire()
+        except ValueError as exc:
+            unsplit[str(group)] = str(exc)
+    reply: dict[str, object] = {"req": req, "state": "ready", "groups": groups}
+    if unsplit:
+        reply["unsplit"] = unsplit
+    return reply
 
 
 class DigestServer:
@@ -195,16 +276,26 @@ def read_parsed(reply: object, remote_req: str, where: str) -> dict[int, GroupDi
     groups = reply.get("groups")
     if state != "ready" or not isinstance(groups, dict):
         raise DigestAskFailed(f"{where} answered an unusable state {str(state)[:40]!r}")
+    unsplit = reply.get("unsplit", {})
     try:
-        return {int(group): GroupDigests.from_wire(value) for group, value in groups.items()}
+        found = {int(group): GroupDigests.from_wire(value) for group, value in groups.items()}
+        if not isinstance(unsplit, dict):
+            raise ValueError("unsplit must be an object")
+        for group, why in unsplit.items():
+            empty = np.zeros(0, dtype=np.int64)
+            found[int(group)] = GroupDigests(
+                empty, np.zeros((0, 2), dtype=np.uint64), unverifiable=str(why)[:300] or "?"
+            )
     except (ValueError, TypeError) as exc:
         raise DigestAskFailed(f"{where} answered unusable digests: {exc}") from exc
+    return found
 
 
 @dataclass
 class _Question:
     deadline: float
     retry_at: float
+    split: Split | None = None
     asks: int = 0
     last: str = "no answer"
 
@@ -233,8 +324,11 @@ class DigestAsker:
         ] = {}
         self._used: dict[str, float] = {}
 
-    def ask(self, endpoint: str, remote_req: str, deadline: float) -> None:
-        """Ask ``endpoint`` for ``remote_req``'s digests (again only if not under way)."""
+    def ask(
+        self, endpoint: str, remote_req: str, deadline: float, split: Split | None = None
+    ) -> None:
+        """Ask ``endpoint`` for ``remote_req``'s digests (again only if not under way), of
+        the ``split`` part of each page where given."""
         key = (endpoint, remote_req)
         running = self._questions.get(key)
         if running is not None:
@@ -244,7 +338,7 @@ class DigestAsker:
         if stored is not None and not isinstance(stored[1], DigestAskFailed):
             return
         self._answers.pop(key, None)  # a failed one is asked again, by the new deadline
-        self._questions[key] = _Question(deadline, 0.0)
+        self._questions[key] = _Question(deadline, 0.0, split or None)
         self._send(key, time.monotonic())
 
     def _close_idle(self, now: float) -> None:
@@ -271,7 +365,10 @@ class DigestAsker:
         question = self._questions[key]
         question.asks += 1
         question.retry_at = now + self.RESEND_S
-        message = json.dumps({"op": "digest", "req": key[1]}).encode()
+        body: dict[str, object] = {"op": "digest", "req": key[1]}
+        if question.split:
+            body["split"] = {str(g): list(value) for g, value in question.split.items()}
+        message = json.dumps(body).encode()
         try:
             self._socket(key[0]).send_multipart([b"", message], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
