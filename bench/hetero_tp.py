@@ -93,12 +93,19 @@ def _lowest_priority(engine: EngineProcess) -> None:
             process.nice(19)
 
 
+EXCEPTION_LINE = re.compile(r"\b\w+(Error|Exception): ")
+
+
 def _first_error(log: str) -> str:
-    """The last line of ``log`` that says what failed (warnings left out)."""
+    """The first exception an engine logged (``AssertionError: ...``), else the last line
+    that says what failed (warnings left out)."""
     lines = [
         line for line in log.splitlines()
         if "WARNING" not in line and ERROR_LINE.search(line)
     ]  # fmt: skip
+    raised = [line for line in lines if EXCEPTION_LINE.search(line)]
+    if raised:
+        return raised[0].strip()[:400]
     return (lines[-1] if lines else log[-300:]).strip()[:400]
 
 

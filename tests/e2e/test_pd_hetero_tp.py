@@ -5,6 +5,10 @@ Plain model: stock NIXL supports this, and so do we: the router's pairing and th
 accept the pair, and P/D answers equal the prefill engine's own, with the prompt's
 KV read over NIXL by both decode ranks. Mamba2 hybrid whose B/C groups split over TP 2
 (n_groups 2): served the same way, each decode rank verifying the prefill's per-rank layout.
+In both, every decode rank's read of its half of the prefill's pages is verified byte for
+byte by the KV digest (the prefill's cells of that half); a byte flipped in what a decode rank
+received (``tests/harness/kv_corruption_site``) is caught and never answered as HTTP 200 with
+other tokens.
 Sliding-window hybrid from a TP 2 prefill into a TP 1 decode (stock vLLM's smaller decode
 TP died reading a larger prefill TP's hybrid KV): the router and the decode engine refuse it
 by name. ``check`` gives the same verdicts for the same models, and refuses a Mamba2 hybrid
@@ -27,6 +31,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.digest_injection import (
+    MISMATCH_LINE,
+    VERIFIED_LINE,
+    arm,
+    control_of,
+    fired,
+    hooked_env,
+)
 from tests.e2e.pd_fixture import (
     COMMON_ARGS,
     PdPair,
@@ -47,13 +59,47 @@ PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 11])]
 
 
 def start_hetero_pair(model: Path, log_dir: Path) -> Iterator[PdPair]:
+    """A TP 1 prefill and a TP 2 decode whose ranks load the corruption hook (idle)."""
     decode = {
         "extra_args": [*COMMON_ARGS, "--tensor-parallel-size", "2"],
         "cpu_core": None,
-        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+        "env": {
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank
+            **hooked_env(log_dir / "decode-corruption.json"),
+        },
         "kv_extra_config": {"lease_check_timeout": 30.0},  # see the module docstring
     }
     yield from start_pair(model, log_dir, {}, decode)
+
+
+def assert_split_reads_verified(pair: PdPair) -> None:
+    """Both decode ranks verified their half-page reads (none logged as unverified)."""
+    log = pair.decode.log_text()
+    assert "NOT verified byte for byte" not in log, log[-3000:]
+    verified = [line for line in log.splitlines() if VERIFIED_LINE in line]
+    assert {"Worker_TP0", "Worker_TP1"} <= {
+        rank for line in verified for rank in ("Worker_TP0", "Worker_TP1") if rank in line
+    }, verified
+
+
+def assert_received_corruption_is_caught(pair: PdPair, kind: str, prompt: str) -> None:
+    """One byte flipped in a page a decode rank received: the digest mismatch is logged
+    naming the group, and the answer is an error or the colocated one, never other tokens."""
+    control = control_of(pair, "decode")
+    body = {"model": pair.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    before = pair.decode.log_text().count(MISMATCH_LINE)
+    arm(control, "received", kind, 1)
+    try:
+        run = run_pd_and_colocated(pair, body)
+    except LegError:
+        run = None  # failed, not answered (kv_load_failure_policy=fail)
+    assert fired(control) == 1
+    log = pair.decode.log_text()
+    lines = [line for line in log.splitlines() if MISMATCH_LINE in line]
+    assert len(lines) == before + 1, log[-3000:]
+    assert f"({kind}), first at logical block " in lines[-1], lines[-1]
+    if run is not None:
+        assert run.pd_choice["text"] == run.colocated_choice["text"]
 
 
 def pairing_problem(pair: PdPair) -> str:
@@ -113,6 +159,8 @@ def test_plain_model_tp1_to_tp2_is_served_and_equals_colocated(plain_case: Plain
     log = plain_pair.decode.log_text()
     assert "Worker_TP0" in log and "Worker_TP1" in log
     assert log.count("validated 4 KV-cache layers") == 2  # our worker on both ranks
+    assert_split_reads_verified(plain_pair)
+    assert_received_corruption_is_caught(plain_pair, "full_attention", "corrupt " + PROMPTS[1])
 
 
 def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
@@ -140,6 +188,8 @@ def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
         # each decode rank checked the prefill's TP 1 layout against its own TP 2 slice
         verified = log.count("has TP 1, this engine TP 2; per-rank layouts correspond")
         assert verified >= 2, log[-3000:]
+        assert_split_reads_verified(pair)
+        assert_received_corruption_is_caught(pair, "mamba", "corrupt " + PROMPTS[1])
     finally:
         pair_iter.close()
 

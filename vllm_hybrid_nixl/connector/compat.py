@@ -390,6 +390,49 @@ def digest_hooks_available() -> bool:
     return transfer_results_api() and names[1:4] == ["read_spec", "dst_engine_id", "request_id"]
 
 
+def state_regions(worker: Any) -> list[tuple[int, int]] | None:
+    """(start, length) of each part vLLM's NIXL worker reads separately from a Mamba state
+    page when the TP sizes differ: its conv sub-projections (x, B, C for Mamba2) then the
+    temporal state (0.32+: ``_conv_decomp``); None where this release does not cut them."""
+    decomposition = getattr(worker, "_conv_decomp", None)
+    if decomposition is None:
+        return None
+    try:
+        regions = [(int(start), int(size)) for start, size in decomposition.local_conv_offsets]
+        conv_bytes, ssm_bytes = (int(v) for v in decomposition.ssm_sizes)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if sum(size for _, size in regions) != conv_bytes:
+        return None
+    return [*regions, (conv_bytes, ssm_bytes)]
+
+
+def attention_heads_contiguous(worker: Any) -> bool:
+    """Whether a K or V page holds its heads one after the other with nothing permuted after
+    a read (a block-contiguous layout, ``HND`` before 0.32), so a larger decode TP's read of
+    it is one contiguous slice per page."""
+    if getattr(worker, "enable_permute_local_kv", False) or getattr(
+        worker, "enable_heterogeneous_attn_post_process", False
+    ):
+        return False
+    name = str(getattr(worker, "kv_cache_layout", ""))
+    if name == "HND":
+        return True
+    try:
+        layouts = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
+        return bool(layouts[name].is_block_contiguous)
+    except (ImportError, AttributeError, KeyError):
+        return False
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV head count over all ranks (0 when vLLM cannot say)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 def record_digest_mismatch(xfer_stats: Any) -> bool:
     """Count a KV digest mismatch in the NIXL worker's stats: as a failed transfer (0.32+:
     ``vllm:nixl_num_failed_transfers``) and, where the stats are ours

@@ -36,15 +36,17 @@ import numpy as np
 from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
-from vllm_hybrid_nixl.connector.kv_digest import PageDigester
+from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_cells
 from vllm_hybrid_nixl.protocol.digest_wire import (
     DigestAsker,
     DigestAskFailed,
     DigestServer,
     GroupDigests,
+    Split,
     endpoint_of,
 )
-from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND
+from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, LayoutForm
+from vllm_hybrid_nixl.protocol.tp_split import read_part
 
 logger = logging.getLogger("vllm.hybrid_nixl.digest")
 
@@ -119,6 +121,7 @@ class _Read:
     local: list[list[int]]
     remote: list[list[int]]
     engine: str = "?"  # the prefill engine read from
+    split: Split | None = None  # groups read as a part of each remote page (a larger TP)
 
 
 @dataclass
@@ -153,7 +156,10 @@ class DigestTable:
 
     @staticmethod
     def _size(digests: dict[int, GroupDigests]) -> int:
-        return sum(d.pages.nbytes + d.lanes.nbytes for d in digests.values())
+        return sum(
+            d.pages.nbytes + d.lanes.nbytes + (0 if d.cells is None else d.cells.nbytes)
+            for d in digests.values()
+        )
 
     def _drop(self, req_id: str) -> None:
         entry = self._entries.pop(req_id, None)
@@ -231,7 +237,7 @@ class DigestGuardMixin:
             (item.layer.group_id, kv_caches[item.layer.name], item)
             for item in worker.validated_layers
         ]
-        self._digester = PageDigester(layers)
+        self._digester = PageDigester(layers, self._cell_plans())
         groups = 1 + max((item.layer.group_id for item in worker.validated_layers), default=-1)
         kinds = {item.layer.group_id: item.layer.spec_kind for item in worker.validated_layers}
         self._digest_kinds = [kinds.get(g, "?") for g in range(groups)]
@@ -239,6 +245,30 @@ class DigestGuardMixin:
         self._digest_ratios = [1 if kind == MAMBA_KIND else ratio for kind in self._digest_kinds]
         if worker.kv_transfer_config.is_kv_producer:
             self._start_digest_service()
+
+    def _cell_plans(self) -> dict[int, CellPlan]:
+        """The regions a read by another TP size cuts from each group's pages, as vLLM's
+        NIXL worker cuts them: a K/V-split attention page's K and V heads (where heads are
+        contiguous and nothing is permuted after a read), a Mamba state page's conv
+        sub-projections and temporal state. Groups without one are digested whole only."""
+        worker: Any = self
+        state = compat.state_regions(worker)
+        heads_contiguous = compat.attention_heads_contiguous(worker)
+        by_group: dict[int, list[Any]] = {}
+        for item in worker.validated_layers:
+            by_group.setdefault(item.layer.group_id, []).append(item)
+        plans: dict[int, CellPlan] = {}
+        for group, items in by_group.items():
+            regions: list[list[tuple[int, int]]] | None = None
+            if items[0].layer.spec_kind == MAMBA_KIND:
+                regions = [state] if state else None
+            elif heads_contiguous and all(i.form is LayoutForm.KV_SPLIT for i in items):
+                half = items[0].physical_page_size // 2
+                regions = [[(0, half)], [(0, half)]]
+            plan = plan_cells(regions) if regions else None
+            if plan is not None:
+                plans[group] = plan
+        return plans
 
     def _start_digest_service(self) -> None:
         """Serve this rank's digests on its derived port. A port that cannot be had is an
@@ -316,38 +346,53 @@ class DigestGuardMixin:
             if expect:
                 self._digest_expect.update(expect)
                 _bound(self._digest_expect)
-            self._unverifiable_splits(metadata)
         return super().start_load_kv(metadata)  # type: ignore[misc]
 
-    def _unverifiable_splits(self, metadata: Any) -> None:
-        """Reads from a prefill of another TP size move parts of its pages (head splits), so
-        page digests cannot match: those reads are logged as unverified, not failed."""
+    def _read_split(self, engine: str) -> Split | str | None:
+        """How this rank's reads from prefill engine ``engine`` cut its pages: None for
+        whole pages (the same TP size), the part per group for a smaller prefill TP, or
+        why those reads cannot be verified. The prefill's TP size is the one its
+        fingerprint gave at the handshake, not a request's transfer parameters."""
         worker: Any = self
-        own = int(getattr(worker, "transfer_tp_size", getattr(worker, "world_size", 1)))
-        for req_id, meta in (getattr(metadata, "reqs_to_recv", None) or {}).items():
-            remote_tp = getattr(meta, "tp_size", own)  # from kv_transfer_params: client data
-            expect = self._digest_expect.get(req_id)
-            if remote_tp != own and expect is not None and expect.get("port"):
-                self._digest_expect[req_id] = {
-                    "engine": expect.get("engine", "?"),
-                    "why": f"another tensor-parallel size (prefill {remote_tp!r:.20}, "
-                    f"decode {own})",
-                }
+        own = int(worker.layout_fingerprint.tensor_parallel_size)
+        remote = worker.peer_tp_sizes.get(engine)
+        if remote is None or remote == own or self._digester is None:
+            return None
+        where = f"another tensor-parallel size (prefill {remote}, decode {own})"
+        heads = compat.total_kv_heads(worker.vllm_config)
+        split: Split = {}
+        for group, kind in enumerate(self._digest_kinds):
+            part = read_part(kind == MAMBA_KIND, own, int(remote), int(worker.tp_rank), heads)
+            if isinstance(part, str):
+                return f"{where}: {part}"
+            ratio, index = part
+            if ratio == 1:
+                continue  # read whole
+            plan = self._digester.plan(group)
+            if plan is None:
+                return (
+                    f"{where}: KV-cache group {group} ({kind}) has no layout the split "
+                    "digest follows (a K/V-split cache with contiguous heads, or a Mamba "
+                    "state vLLM cuts into its conv parts)"
+                )
+            split[group] = (ratio, index, plan.region_count)
+        return split or None
 
     def _digest_source(self, req_id: str, blocks: Sequence[Sequence[int]]) -> None:
+        """Digest a finished request's pages for the decode's question: whole pages, and
+        per cell where the group has a cell plan (for a decode of a larger TP)."""
+        assert self._digester is not None
+        kept: dict[int, GroupDigests] = {}
         try:
             pages = kernel_pages(blocks, self._digest_ratios)
-            lanes = self.digest_pages(pages)
+            for group, ids in enumerate(pages):
+                if ids and group in self._digester.groups:
+                    lanes, cells = self._digester.digest_cells(group, list(ids))
+                    kept[group] = GroupDigests(np.asarray(ids, dtype=np.int64), lanes, cells)
         except Exception:  # noqa: BLE001 - a digest it cannot make is one the decode lacks
             logger.exception("vllm-hybrid-nixl: could not digest request %s's KV", req_id)
             return
-        self._digest_table.put(
-            req_id,
-            {
-                group: GroupDigests(np.asarray(pages[group], dtype=np.int64), values)
-                for group, values in lanes.items()
-            },
-        )
+        self._digest_table.put(req_id, kept)
 
     # ---- decode rank: which pages each read moved ------------------------------------------
 
@@ -360,12 +405,17 @@ class DigestGuardMixin:
             {k: kwargs[k] for k in ("read_spec", "dst_engine_id", "request_id") if k in kwargs}
         )
         read_spec, request_id = named["read_spec"], str(named["request_id"])
-        if getattr(read_spec, "block_ids_by_region", False):
+        split = self._read_split(str(named["dst_engine_id"]))
+        if getattr(read_spec, "block_ids_by_region", False) or isinstance(split, str):
             # Region-mapped (MLA caches grouped differently on the two sides): ids are per
             # NIXL region, not per KV-cache group, so page digests cannot be paired.
             expect = self._digest_expect.get(request_id)
             if expect is not None:
-                expect["why"] = "region-mapped reads (MLA layouts grouped differently)"
+                expect["why"] = (
+                    split
+                    if isinstance(split, str)
+                    else "region-mapped reads (MLA layouts grouped differently)"
+                )
                 expect.pop("port", None)
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         if not any(len(group) for group in read_spec.local_block_ids):
@@ -380,11 +430,12 @@ class DigestGuardMixin:
                 [list(g) for g in read_spec.local_block_ids],
                 [list(g) for g in read_spec.remote_block_ids],
                 str(named["dst_engine_id"]),
+                split,
             )
         )
         _bound(self._digest_reads)
         if len(reads) == 1:
-            self._prefetch(request_id, int(read_spec.remote_rank))
+            self._prefetch(request_id, int(read_spec.remote_rank), split)
         self._digest_reading = request_id
         try:
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
@@ -511,21 +562,37 @@ class DigestGuardMixin:
             logger.debug("vllm-hybrid-nixl: request %s verified (%s)", req_id, timing)
 
     def received_digests(self, req_id: str, reads: list[_Read]) -> list[dict[int, np.ndarray]]:
-        """The received pages' digests, read by read (the corruption tests wrap this)."""
-        return [self.digest_pages(read.local) for read in reads]
+        """The received pages' digests, read by read (the corruption tests wrap this): a
+        group read as a part of each remote page is digested as that part."""
+        return [self._received(read) for read in reads]
+
+    def _received(self, read: _Read) -> dict[int, np.ndarray]:
+        if not read.split:
+            return self.digest_pages(read.local)
+        assert self._digester is not None
+        lanes: dict[int, np.ndarray] = {}
+        for group, ids in enumerate(read.local):
+            if not ids or group not in self._digester.groups:
+                continue
+            if group in read.split:
+                ratio, part, _ = read.split[group]
+                lanes[group] = self._digester.digest_mapped(group, list(ids), ratio, part)
+            else:
+                lanes[group] = self._digester.digest(group, list(ids))
+        return lanes
 
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
         started = time.monotonic()
-        endpoints = {
-            rank: _endpoint(expect, rank) for rank in sorted({r.remote_rank for r in reads})
-        }
+        splits = {read.remote_rank: read.split for read in reads}
+        endpoints = {rank: _endpoint(expect, rank) for rank in sorted(splits)}
         remote_req = str(expect["req"])
-        for endpoint in endpoints.values():  # under way already when prefetched
-            self._digest_asker.ask(endpoint, remote_req, started + self._digest_timeout_s)
+        for rank, endpoint in endpoints.items():  # under way already when prefetched
+            deadline = started + self._digest_timeout_s
+            self._digest_asker.ask(endpoint, remote_req, deadline, splits[rank])
         return _Check(reads, local, endpoints, str(expect.get("engine", "?")), remote_req, started)
 
-    def _prefetch(self, request_id: str, remote_rank: int) -> None:
+    def _prefetch(self, request_id: str, remote_rank: int, split: Split | None) -> None:
         """Ask for the digests as the read starts, so they are in when it completes (the
         answer does not depend on the read; the prefill digests when the step after the
         request's last one binds its metadata, before its forward, so the digests are
@@ -537,7 +604,7 @@ class DigestGuardMixin:
             return
         endpoint = _endpoint(expect, remote_rank)
         deadline = time.monotonic() + PREFETCH_DEADLINE_FACTOR * self._digest_timeout_s
-        self._digest_asker.ask(endpoint, str(expect["req"]), deadline)
+        self._digest_asker.ask(endpoint, str(expect["req"]), deadline, split)
 
     def _verdict(self, req_id: str, check: _Check) -> str:
         """Empty when every received page equals the prefill's; else the error message."""
@@ -547,6 +614,10 @@ class DigestGuardMixin:
             remote_groups = fetched.get(read.remote_rank, {})
             for group, lanes in local.items():
                 wanted = remote_groups.get(group)
+                if wanted is not None and wanted.unverifiable:
+                    why = f"group {group}'s split could not be answered: {wanted.unverifiable}"
+                    self._warn_unverified(req_id, {"why": why}, check.engine)
+                    continue
                 known = wanted.of() if wanted is not None else {}
                 if len(read.remote[group]) != len(lanes):
                     return self._failure(

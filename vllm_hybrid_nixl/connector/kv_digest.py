@@ -41,8 +41,9 @@ from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, ValidatedLayer
 WORD_BYTES = 8
 MIX_SHIFT = 29
 #: The most cells a region is cut into: reads by a decode TP up to this many times the
-#: prefill's (a power of two) can be verified.
-MAX_CELLS = 64
+#: prefill's (a power of two) can be verified. A prefill keeps 16 bytes a cell (an attention
+#: page of a K/V-split cache: 2 regions, 256 bytes) until the decode's read is checked.
+MAX_CELLS = 8
 _MASK64 = (1 << 64) - 1
 
 

@@ -197,6 +197,9 @@ class HybridRegistrationMixin:
         with paced_agents(compat.nixl_agent_class(), poll_us) as paced:
             super().__init__(*args, **kwargs)
         self.progress_poll_us = poll_us if paced else 0
+        #: Prefill engines whose layout this (reading) worker verified: their TP size, from
+        #: their fingerprint (not from a request's transfer parameters).
+        self.peer_tp_sizes: dict[str, int] = {}
         if paced:
             logger.info(
                 "vllm-hybrid-nixl: NIXL's progress thread waits for transport events (at "
@@ -495,6 +498,10 @@ class HybridRegistrationMixin:
         if error is not None:
             logger.error("%s", error)
             raise error
+        if wire == self.layout_fingerprint.encode():
+            self.peer_tp_sizes[engine_id] = self.layout_fingerprint.tensor_parallel_size
+        elif verdict.remote is not None and verdict.remote.tensor_parallel_size:
+            self.peer_tp_sizes[engine_id] = verdict.remote.tensor_parallel_size
         if verdict.stock_peer or wire == self.layout_fingerprint.encode():
             return None
         remote = verdict.remote

@@ -224,3 +224,42 @@ def split_problems(
         if problem is not None:
             found.append(problem)
     return found
+
+
+def read_part(
+    is_state: bool, decode_tp: int, prefill_tp: int, decode_rank: int, total_kv_heads: int
+) -> tuple[int, int] | str:
+    """Which part of each prefill page decode rank ``decode_rank`` reads, as vLLM's NIXL
+    worker (0.32) cuts it: ``(ratio, part)``, ``(1, 0)`` for the whole page, or why the part
+    is not known. A state group (Mamba / linear attention) splits by the TP ratio; an
+    attention group by the prefill's KV heads per rank over the decode's (a head a larger
+    decode TP replicates is read whole)."""
+    if decode_tp < prefill_tp:
+        return (
+            f"the prefill TP ({prefill_tp}) is larger than the decode TP ({decode_tp}): a "
+            "decode page joins parts of several prefill pages"
+        )
+    if decode_tp % prefill_tp:
+        return f"TP sizes {prefill_tp} and {decode_tp} do not divide"
+    tp_ratio = decode_tp // prefill_tp
+    if is_state:
+        return tp_ratio, decode_rank % tp_ratio
+    if total_kv_heads < 1:
+        return "the model's KV head count is not known"
+    prefill_heads = max(1, total_kv_heads // prefill_tp)
+    decode_heads = max(1, total_kv_heads // decode_tp)
+    if prefill_heads % decode_heads:
+        return f"{prefill_heads} KV heads a prefill rank do not split into {decode_heads}"
+    ratio = prefill_heads // decode_heads
+    if ratio == 1:
+        return 1, 0
+    if decode_tp > total_kv_heads:  # several decode ranks hold each head
+        source_rank = decode_rank * prefill_tp // decode_tp
+        part = (
+            decode_rank * total_kv_heads // decode_tp - source_rank * total_kv_heads // prefill_tp
+        )
+    else:
+        part = decode_rank % tp_ratio
+    if not 0 <= part < ratio:
+        return f"decode rank {decode_rank} falls outside its prefill rank's {ratio} parts"
+    return ratio, part
