@@ -352,9 +352,10 @@ class DigestGuardMixin:
         """How this rank's reads from prefill engine ``engine`` cut its pages: None for
         whole pages (the same TP size), the part per group for a smaller prefill TP, or
         why those reads cannot be verified. The prefill's TP size is the one its
-        fingerprint gave at the handshake, not a request's transfer parameters."""
+        fingerprint gave at the handshake (a hybrid's), else the one vLLM's handshake
+        checked against its block lengths."""
         worker: Any = self
-        own = int(worker.layout_fingerprint.tensor_parallel_size)
+        own = int(worker.vllm_config.parallel_config.tensor_parallel_size)
         remote = worker.peer_tp_sizes.get(engine)
         if remote is None or remote == own or self._digester is None:
             return None

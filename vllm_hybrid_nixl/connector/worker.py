@@ -198,7 +198,7 @@ class HybridRegistrationMixin:
             super().__init__(*args, **kwargs)
         self.progress_poll_us = poll_us if paced else 0
         #: Prefill engines whose layout this (reading) worker verified: their TP size, from
-        #: their fingerprint (not from a request's transfer parameters).
+        #: their fingerprint (hybrids), else the one vLLM's handshake used and checked.
         self.peer_tp_sizes: dict[str, int] = {}
         if paced:
             logger.info(
@@ -431,6 +431,9 @@ class HybridRegistrationMixin:
         ``compat_hash`` otherwise only when it builds its own metadata at registration."""
         worker: Any = self
         wire = self.verify_peer_layout(host, port, expected_engine_id, remote_tp_size)
+        # single-group fingerprints carry no TP size: vLLM's own, which its handshake checks
+        # against the peer's block lengths before any read
+        self.peer_tp_sizes.setdefault(expected_engine_id, int(remote_tp_size))
         own = worker.compat_hash
         if wire is None or wire == own:
             return super()._nixl_handshake(  # type: ignore[misc]
@@ -498,9 +501,7 @@ class HybridRegistrationMixin:
         if error is not None:
             logger.error("%s", error)
             raise error
-        if wire == self.layout_fingerprint.encode():
-            self.peer_tp_sizes[engine_id] = self.layout_fingerprint.tensor_parallel_size
-        elif verdict.remote is not None and verdict.remote.tensor_parallel_size:
+        if verdict.remote is not None and verdict.remote.tensor_parallel_size:
             self.peer_tp_sizes[engine_id] = verdict.remote.tensor_parallel_size
         if verdict.stock_peer or wire == self.layout_fingerprint.encode():
             return None
