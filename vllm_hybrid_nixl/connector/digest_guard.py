@@ -248,9 +248,11 @@ class DigestGuardMixin:
 
     def _cell_plans(self) -> dict[int, CellPlan]:
         """The regions a read by another TP size cuts from each group's pages, as vLLM's
-        NIXL worker cuts them: a K/V-split attention page's K and V heads (where heads are
-        contiguous and nothing is permuted after a read), a Mamba state page's conv
-        sub-projections and temporal state. Groups without one are digested whole only."""
+        NIXL worker cuts them: an attention page's heads (where a block-contiguous layout
+        keeps them one after the other and nothing is permuted after a read; a K/V-split
+        cache has a K and a V page), a Mamba state page's conv sub-projections and temporal
+        state. Groups without one (or whose pages the plan does not fit) are digested whole
+        only."""
         worker: Any = self
         state = compat.state_regions(worker)
         heads_contiguous = compat.attention_heads_contiguous(worker)
@@ -264,7 +266,9 @@ class DigestGuardMixin:
                 regions = [state] if state else None
             elif heads_contiguous and all(i.form is LayoutForm.KV_SPLIT for i in items):
                 half = items[0].physical_page_size // 2
-                regions = [[(0, half)], [(0, half)]]
+                regions = [[(0, half)], [(0, half)]]  # a K page and a V page
+            elif heads_contiguous:
+                regions = [[(0, items[0].physical_page_size)]]  # heads, K and V inside each
             plan = plan_cells(regions) if regions else None
             if plan is not None:
                 plans[group] = plan
@@ -411,13 +415,14 @@ class DigestGuardMixin:
             # Region-mapped (MLA caches grouped differently on the two sides): ids are per
             # NIXL region, not per KV-cache group, so page digests cannot be paired.
             expect = self._digest_expect.get(request_id)
-            if expect is not None:
+            if expect is not None and expect.get("port"):
                 expect["why"] = (
                     split
                     if isinstance(split, str)
                     else "region-mapped reads (MLA layouts grouped differently)"
                 )
                 expect.pop("port", None)
+                self._warn_unverified(request_id, expect, str(named["dst_engine_id"]))
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         if not any(len(group) for group in read_spec.local_block_ids):
             # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
