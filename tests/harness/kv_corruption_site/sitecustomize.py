@@ -22,6 +22,7 @@ imported. Never shipped: it lives in ``tests/harness``, outside the wheel.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.abc
 import importlib.machinery
 import json
@@ -36,23 +37,31 @@ _restore: dict[str, tuple[object, int, int]] = {}
 
 
 def _take(where: str, kinds: list[str]) -> str | None:
-    """The group kind to corrupt now (and one fewer left), or None."""
+    """The group kind to corrupt now (and one fewer left), or None. The ranks of a TP > 1
+    engine are processes of their own: the control file is read and rewritten under an
+    exclusive lock on it, so one corruption is taken once."""
     with _lock:
         try:
-            with open(CONTROL) as handle:
-                control = json.load(handle)
-        except (OSError, ValueError):
+            handle = open(CONTROL, "r+")  # noqa: SIM115 - held for the lock below
+        except OSError:
             return None
-        if control.get("where") != where or int(control.get("left", 0)) <= 0:
-            return None
-        if control.get("kind") not in kinds:
-            return None
-        control["left"] = int(control["left"]) - 1
-        control["done"] = int(control.get("done", 0)) + 1
-        with open(CONTROL + ".tmp", "w") as handle:
-            json.dump(control, handle)
-        os.replace(CONTROL + ".tmp", CONTROL)
-        return str(control["kind"])
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                control = json.loads(handle.read())
+            except ValueError:
+                return None
+            if control.get("where") != where or int(control.get("left", 0)) <= 0:
+                return None
+            if control.get("kind") not in kinds:
+                return None
+            control["left"] = int(control["left"]) - 1
+            control["done"] = int(control.get("done", 0)) + 1
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(control))
+            handle.flush()
+            return str(control["kind"])
 
 
 def _flip(worker, group: int, page: int) -> tuple[object, int, int]:
