@@ -133,3 +133,19 @@ def test_a_malformed_split_is_an_error_for_that_request(endpoint: str, split) ->
     reply = raw_ask(endpoint, json.dumps({"op": "digest", "req": "ready", "split": split}).encode())
     assert reply is not None and reply.get("req") == "ready" and "split" in reply["error"]
     assert raw_ask(endpoint, b'{"op": "digest", "req": "ready"}')["state"] == "ready"
+
+
+def test_a_reply_that_ignores_the_split_asked_is_unverifiable_not_compared() -> None:
+    """A prefill of a release without split digests answers whole pages to a split
+    question: comparing those with a decode rank's part would fail every read, so the group
+    is marked unverifiable; a reply that names the part it answered is used."""
+    from vllm_hybrid_nixl.protocol.digest_wire import read_parsed
+
+    whole = {"req": "r", "state": "ready", "groups": {"0": DIGESTS[0].to_wire()}}
+    found = read_parsed(whole, "r", "test", {0: (2, 1, 2)})
+    assert "answered whole pages" in found[0].unverifiable
+    named = {**whole, "split": {"0": [2, 1, 2]}}
+    assert read_parsed(named, "r", "test", {0: (2, 1, 2)})[0].of() == DIGESTS[0].of()
+    other = {**whole, "split": {"0": [2, 0, 2]}}  # another part than asked
+    assert read_parsed(other, "r", "test", {0: (2, 1, 2)})[0].unverifiable
+    assert read_parsed(whole, "r", "test")[0].of() == DIGESTS[0].of()  # no split asked

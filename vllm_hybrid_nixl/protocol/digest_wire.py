@@ -168,15 +168,19 @@ def answer(raw: bytes, lookup: Lookup) -> dict[str, object]:
         return {"req": req, "state": "pending"}
     groups: dict[str, object] = {}
     unsplit: dict[str, str] = {}
+    parts: dict[str, list[int]] = {}
     for group, digests in found.items():
         if group not in split:
             groups[str(group)] = digests.to_wire()
             continue
         try:
             groups[str(group)] = digests.part(*split[group]).to_wire()
+            parts[str(group)] = list(split[group])
         except ValueError as exc:
             unsplit[str(group)] = str(exc)
     reply: dict[str, object] = {"req": req, "state": "ready", "groups": groups}
+    if parts:
+        reply["split"] = parts  # which groups are parts (a release without splits omits it)
     if unsplit:
         reply["unsplit"] = unsplit
     return reply
@@ -260,8 +264,12 @@ def read_reply(raw: bytes, remote_req: str, where: str) -> dict[int, GroupDigest
     return read_parsed(reply, remote_req, where)
 
 
-def read_parsed(reply: object, remote_req: str, where: str) -> dict[int, GroupDigests] | str | None:
-    """As :func:`read_reply`, for a reply already parsed from JSON."""
+def read_parsed(
+    reply: object, remote_req: str, where: str, split: Split | None = None
+) -> dict[int, GroupDigests] | str | None:
+    """As :func:`read_reply`, for a reply already parsed from JSON; a group asked as a part
+    (``split``) that the reply does not say it answered as that part is unverifiable (a
+    prefill release without split digests answers whole pages)."""
     if not isinstance(reply, dict):
         raise DigestAskFailed(f"{where} answered a {type(reply).__name__}, not an object")
     if "error" in reply:
@@ -286,8 +294,22 @@ def read_parsed(reply: object, remote_req: str, where: str) -> dict[int, GroupDi
             found[int(group)] = GroupDigests(
                 empty, np.zeros((0, 2), dtype=np.uint64), unverifiable=str(why)[:300] or "?"
             )
+        answered = reply.get("split", {})
+        if not isinstance(answered, dict):
+            raise ValueError("split must be an object")
     except (ValueError, TypeError) as exc:
         raise DigestAskFailed(f"{where} answered unusable digests: {exc}") from exc
+    for group, asked in (split or {}).items():
+        digests = found.get(group)
+        if digests is None or digests.unverifiable:
+            continue
+        if answered.get(str(group)) != list(asked):
+            found[group] = GroupDigests(
+                np.zeros(0, dtype=np.int64),
+                np.zeros((0, 2), dtype=np.uint64),
+                unverifiable="its prefill engine answered whole pages, not the part asked "
+                "(a vllm-hybrid-nixl release without split digests)",
+            )
     return found
 
 
@@ -431,7 +453,7 @@ class DigestAsker:
             return  # a late answer to a question already settled
         where = f"the prefill worker's digest service at {endpoint}"
         try:
-            found = read_parsed(reply, req, where)
+            found = read_parsed(reply, req, where, question.split)
         except DigestAskFailed as exc:
             question.last = str(exc)
             question.retry_at = time.monotonic() + self.RETRY_S
