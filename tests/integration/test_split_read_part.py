@@ -22,7 +22,9 @@ CASES = [
 ]
 
 
-def vllm_offset(heads: int, prefill_tp: int, decode_tp: int, rank: int) -> int:
+def vllm_offset(
+    heads: int, prefill_tp: int, decode_tp: int, rank: int, is_mla: bool = False
+) -> int:
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
         compute_tp_mapping,
@@ -30,7 +32,7 @@ def vllm_offset(heads: int, prefill_tp: int, decode_tp: int, rank: int) -> int:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     topology = TransferTopology(
-        tp_rank=rank, tp_size=decode_tp, block_size=16, engine_id="decode", is_mla=False,
+        tp_rank=rank, tp_size=decode_tp, block_size=16, engine_id="decode", is_mla=is_mla,
         is_mamba=False, total_num_kv_heads=heads, attn_backends=[],
     )  # fmt: skip
     return compute_tp_mapping(topology, prefill_tp, (FullAttentionSpec,)).rank_offset_factor
@@ -55,3 +57,24 @@ def test_state_parts_and_refusals() -> None:
     assert "larger than the decode TP" in str(read_part(True, 1, 2, 0, 8))
     assert "do not divide" in str(read_part(False, 3, 2, 0, 8))
     assert "KV head count" in str(read_part(False, 2, 1, 0, 0))
+
+
+def test_mla_is_read_whole_as_vllm_reads_it() -> None:
+    """MLA: vLLM's topology counts one KV head (the latent every rank holds) and reads the
+    whole page at offset 0, whatever the model config's KV head count; so do we, with the
+    head count taken from that topology."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+    from vllm_hybrid_nixl.connector.compat import transfer_kv_heads
+
+    topology = TransferTopology(
+        tp_rank=1, tp_size=2, block_size=16, engine_id="decode", is_mla=True,
+        is_mamba=False, total_num_kv_heads=1, attn_backends=[],
+    )  # fmt: skip
+    heads = transfer_kv_heads(SimpleNamespace(transfer_topo=topology, use_mla=True))
+    assert heads == 1
+    for rank in range(2):
+        assert read_part(False, 2, 1, rank, heads) == (1, 0)
+        assert vllm_offset(1, 1, 2, rank, is_mla=True) == 0

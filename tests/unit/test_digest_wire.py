@@ -149,3 +149,17 @@ def test_a_reply_that_ignores_the_split_asked_is_unverifiable_not_compared() -> 
     other = {**whole, "split": {"0": [2, 0, 2]}}  # another part than asked
     assert read_parsed(other, "r", "test", {0: (2, 1, 2)})[0].unverifiable
     assert read_parsed(whole, "r", "test")[0].of() == DIGESTS[0].of()  # no split asked
+
+
+def test_unsplit_is_honoured_only_for_a_group_asked_as_a_part() -> None:
+    """A prefill cannot turn a group it was asked whole (or answered with digests) into an
+    unverified one: such a reply is not the protocol."""
+    from vllm_hybrid_nixl.protocol.digest_wire import read_parsed
+
+    reply = {"req": "r", "state": "ready", "groups": {}, "unsplit": {"0": "no"}}
+    with pytest.raises(DigestAskFailed, match="unsplit but was not asked"):
+        read_parsed(reply, "r", "test")
+    both = {**reply, "groups": {"0": DIGESTS[0].to_wire()}}
+    with pytest.raises(DigestAskFailed, match="unsplit but was not asked"):
+        read_parsed(both, "r", "test", {0: (2, 0, 1)})
+    assert read_parsed(reply, "r", "test", {0: (2, 0, 1)})[0].unverifiable == "no"

@@ -408,13 +408,9 @@ def state_regions(worker: Any) -> list[tuple[int, int]] | None:
 
 
 def attention_heads_contiguous(worker: Any) -> bool:
-    """Whether a K or V page holds its heads one after the other with nothing permuted after
-    a read (a block-contiguous layout, ``HND`` before 0.32), so a larger decode TP's read of
-    it is one contiguous slice per page."""
-    if getattr(worker, "enable_permute_local_kv", False) or getattr(
-        worker, "enable_heterogeneous_attn_post_process", False
-    ):
-        return False
+    """Whether an attention page holds its heads one after the other (a block-contiguous
+    layout, ``HND`` before 0.32), so a larger decode TP's read of it is one contiguous slice
+    per page (what vLLM does after a read: :func:`reads_rearranged_after_transfer`)."""
     name = str(getattr(worker, "kv_cache_layout", ""))
     if name == "HND":
         return True
@@ -425,12 +421,30 @@ def attention_heads_contiguous(worker: Any) -> bool:
         return False
 
 
-def total_kv_heads(vllm_config: Any) -> int:
-    """The model's KV head count over all ranks (0 when vLLM cannot say)."""
+def transfer_kv_heads(worker: Any) -> int:
+    """The KV head count vLLM's NIXL worker maps ranks by: 1 for MLA (its latent is
+    replicated on every rank, read whole), else the model's over all ranks (0 when vLLM
+    cannot say). 0.32+ keeps it on its transfer topology."""
+    topology = getattr(worker, "transfer_topo", None)
+    heads = getattr(topology, "total_num_kv_heads", None)
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        return heads
+    if getattr(worker, "use_mla", False):
+        return 1
     try:
-        return int(vllm_config.model_config.get_total_num_kv_heads())
+        return int(worker.vllm_config.model_config.get_total_num_kv_heads())
     except (AttributeError, TypeError, ValueError):
         return 0
+
+
+def reads_rearranged_after_transfer(worker: Any) -> bool:
+    """Whether vLLM's worker rearranges received KV after a read (a local permute to its
+    own layout, or the CPU backend's heterogeneous post-process): set at a handshake, so
+    asked per read."""
+    return bool(
+        getattr(worker, "enable_permute_local_kv", False)
+        or getattr(worker, "enable_heterogeneous_attn_post_process", False)
+    )
 
 
 def record_digest_mismatch(xfer_stats: Any) -> bool:

@@ -38,6 +38,7 @@ from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_cells
 from vllm_hybrid_nixl.protocol.digest_wire import (
+    MAX_SPLIT_GROUPS,
     DigestAsker,
     DigestAskFailed,
     DigestServer,
@@ -62,7 +63,7 @@ EXPECT_ATTRIBUTE = "hybrid_digest_expect"  # decode: {request: where its digests
 KEEP_S = 900.0
 AFTER_SENT_S = 60.0
 MAX_KEPT = 100_000
-MAX_BYTES = 256 << 20
+MAX_BYTES = 512 << 20  # cells of split reads included (MAX_CELLS in .kv_digest)
 #: A question sent as a read starts may wait this many ``kv_digest_timeout`` for its answer.
 PREFETCH_DEADLINE_FACTOR = 3
 #: Completed reads a decode worker remembers while they wait to be reported (never reported:
@@ -136,6 +137,7 @@ class _Check:
     started: float = field(default_factory=time.monotonic)
     answers: dict[int, dict[int, GroupDigests]] = field(default_factory=dict)
     answered: float = 0.0
+    unverified: list[str] = field(default_factory=list)  # groups the prefill could not cut
 
     @property
     def where(self) -> str:
@@ -355,19 +357,28 @@ class DigestGuardMixin:
     def _read_split(self, engine: str) -> Split | str | None:
         """How this rank's reads from prefill engine ``engine`` cut its pages: None for
         whole pages (the same TP size), the part per group for a smaller prefill TP, or
-        why those reads cannot be verified. The prefill's TP size is the one its
-        fingerprint gave at the handshake (a hybrid's), else the one vLLM's handshake
-        checked against its block lengths."""
+        why those reads cannot be verified. The prefill's TP size is the one recorded when
+        the handshake with it succeeded (:attr:`peer_tp_sizes`)."""
         worker: Any = self
-        own = int(worker.vllm_config.parallel_config.tensor_parallel_size)
-        remote = worker.peer_tp_sizes.get(engine)
-        if remote is None or remote == own or self._digester is None:
-            return None
+        try:
+            own = int(worker.vllm_config.parallel_config.tensor_parallel_size)
+            remote = worker.peer_tp_sizes.get(engine)
+            if remote is None or remote == own or self._digester is None:
+                return None
+            return self._split_parts(own, int(remote))
+        except Exception as exc:  # noqa: BLE001 - never raise out of vLLM's read path
+            return f"its split could not be worked out ({exc!r:.200})"
+
+    def _split_parts(self, own: int, remote: int) -> Split | str | None:
+        worker: Any = self
+        assert self._digester is not None
         where = f"another tensor-parallel size (prefill {remote}, decode {own})"
-        heads = compat.total_kv_heads(worker.vllm_config)
+        if compat.reads_rearranged_after_transfer(worker):
+            return f"{where}: vLLM rearranges the received KV after the read"
+        heads = compat.transfer_kv_heads(worker)
         split: Split = {}
         for group, kind in enumerate(self._digest_kinds):
-            part = read_part(kind == MAMBA_KIND, own, int(remote), int(worker.tp_rank), heads)
+            part = read_part(kind == MAMBA_KIND, own, remote, int(worker.tp_rank), heads)
             if isinstance(part, str):
                 return f"{where}: {part}"
             ratio, index = part
@@ -377,10 +388,12 @@ class DigestGuardMixin:
             if plan is None:
                 return (
                     f"{where}: KV-cache group {group} ({kind}) has no layout the split "
-                    "digest follows (a K/V-split cache with contiguous heads, or a Mamba "
+                    "digest follows (attention heads contiguous in a page, or a Mamba "
                     "state vLLM cuts into its conv parts)"
                 )
             split[group] = (ratio, index, plan.region_count)
+        if len(split) > MAX_SPLIT_GROUPS:
+            return f"{where}: {len(split)} groups read in parts (at most {MAX_SPLIT_GROUPS})"
         return split or None
 
     def _digest_source(self, req_id: str, blocks: Sequence[Sequence[int]]) -> None:
@@ -410,6 +423,11 @@ class DigestGuardMixin:
             {k: kwargs[k] for k in ("read_spec", "dst_engine_id", "request_id") if k in kwargs}
         )
         read_spec, request_id = named["read_spec"], str(named["request_id"])
+        if not any(len(group) for group in read_spec.local_block_ids):
+            # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
+            # and vLLM never reports it finished.
+            self._digest_expect.pop(request_id, None)
+            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         split = self._read_split(str(named["dst_engine_id"]))
         if getattr(read_spec, "block_ids_by_region", False) or isinstance(split, str):
             # Region-mapped (MLA caches grouped differently on the two sides): ids are per
@@ -423,11 +441,6 @@ class DigestGuardMixin:
                 )
                 expect.pop("port", None)
                 self._warn_unverified(request_id, expect, str(named["dst_engine_id"]))
-            return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
-        if not any(len(group) for group in read_spec.local_block_ids):
-            # Notify-only (a full local prefix hit, an aborted request): nothing is moved,
-            # and vLLM never reports it finished.
-            self._digest_expect.pop(request_id, None)
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         reads = self._digest_reads.setdefault(request_id, [])
         reads.append(
@@ -548,10 +561,13 @@ class DigestGuardMixin:
             self._count_mismatch()
             logger.error("%s", problem)
             return
-        self.digest_verified += 1
-        engine = check.engine if check is not None else "?"
         if check is None:
             return
+        engine = check.engine
+        if check.unverified:  # used, as from a peer without digests, and said so
+            self._warn_unverified(req_id, {"why": "; ".join(check.unverified)}, engine)
+            return
+        self.digest_verified += 1
         answered = (check.answered - check.started) * 1e3
         reported = (time.monotonic() - check.started) * 1e3
         timing = f"digests taken {answered:.1f} ms and reported {reported:.1f} ms after the read"
@@ -621,8 +637,10 @@ class DigestGuardMixin:
             for group, lanes in local.items():
                 wanted = remote_groups.get(group)
                 if wanted is not None and wanted.unverifiable:
-                    why = f"group {group}'s split could not be answered: {wanted.unverifiable}"
-                    self._warn_unverified(req_id, {"why": why}, check.engine)
+                    check.unverified.append(
+                        f"the prefill could not give KV-cache group {group}'s part of its "
+                        f"pages ({wanted.unverifiable})"
+                    )
                     continue
                 known = wanted.of() if wanted is not None else {}
                 if len(read.remote[group]) != len(lanes):
@@ -669,14 +687,17 @@ class DigestGuardMixin:
         compat.record_digest_mismatch(getattr(worker, "xfer_stats", None))
 
     def _warn_unverified(self, req_id: str, expect: dict[str, Any] | None, engine: str) -> None:
-        if engine in self._digest_unverified_warned:
-            return
-        self._digest_unverified_warned.add(engine)
+        """Say once per prefill engine and reason that its reads are used unverified."""
         why = (expect or {}).get("why") or (
             "it sends no KV digest (a stock NixlConnector, an older vllm-hybrid-nixl, "
             "kv_digest: false on it, or lease_guard: false on either engine: the digest's "
             "port travels in the lease value)"
         )
+        key = f"{engine}\n{why[:120]}"
+        if key in self._digest_unverified_warned:
+            return
+        if len(self._digest_unverified_warned) < MAX_TRACKED:
+            self._digest_unverified_warned.add(key)
         logger.warning(
             "vllm-hybrid-nixl: KV reads from prefill engine %s are NOT verified byte for byte: "
             "%s; first seen on request %s",

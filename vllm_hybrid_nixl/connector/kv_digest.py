@@ -40,10 +40,11 @@ from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, ValidatedLayer
 
 WORD_BYTES = 8
 MIX_SHIFT = 29
-#: The most cells a region is cut into: reads by a decode TP up to this many times the
-#: prefill's (a power of two) can be verified. A prefill keeps 16 bytes a cell (an attention
-#: page of a K/V-split cache: 2 regions, 256 bytes) until the decode's read is checked.
-MAX_CELLS = 8
+#: The most cells a region is cut into: reads by a decode rank holding up to this many times
+#: fewer KV heads (or state parts) than a prefill rank can be verified. A prefill keeps 16
+#: bytes a cell until the decode's read is checked (an attention page of vLLM's CPU cache:
+#: one region, 64 bytes; a Mamba2 state page: four regions, 256 bytes).
+MAX_CELLS = 4
 _MASK64 = (1 << 64) - 1
 
 
@@ -229,15 +230,15 @@ class PageDigester:
 
     def digest(self, group: int, pages: Sequence[int]) -> np.ndarray:
         """``[len(pages), 2]`` uint64 lanes for kernel pages ``pages`` of ``group``."""
-        return self.digest_cells(group, pages)[0]
+        return self.digest_cells(group, pages, with_cells=False)[0]
 
     def digest_cells(
-        self, group: int, pages: Sequence[int]
+        self, group: int, pages: Sequence[int], with_cells: bool = True
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The page lanes and, for a group with a cell plan, ``[len(pages), regions, cells,
-        2]`` uint64 cell lanes that add up to them."""
+        """The page lanes and, for a group with a cell plan (and ``with_cells``),
+        ``[len(pages), regions, cells, 2]`` uint64 cell lanes that add up to them."""
         layers = self._members(group, pages)
-        plan = self._plans.get(group)
+        plan = self._plans.get(group) if with_cells else None
         if not pages:
             shape = None if plan is None else (0, plan.region_count, plan.cells, 2)
             empty_cells = None if shape is None else np.zeros(shape, dtype=np.uint64)

@@ -197,9 +197,10 @@ class HybridRegistrationMixin:
         with paced_agents(compat.nixl_agent_class(), poll_us) as paced:
             super().__init__(*args, **kwargs)
         self.progress_poll_us = poll_us if paced else 0
-        #: Prefill engines whose layout this (reading) worker verified: their TP size, from
-        #: their fingerprint (hybrids), else the one vLLM's handshake used and checked.
+        #: Prefill engines this (reading) worker completed a handshake with: their TP size,
+        #: from their fingerprint (hybrids), else the one vLLM's handshake used and checked.
         self.peer_tp_sizes: dict[str, int] = {}
+        self._fingerprint_tp: dict[str, int] = {}
         if paced:
             logger.info(
                 "vllm-hybrid-nixl: NIXL's progress thread waits for transport events (at "
@@ -431,21 +432,23 @@ class HybridRegistrationMixin:
         ``compat_hash`` otherwise only when it builds its own metadata at registration."""
         worker: Any = self
         wire = self.verify_peer_layout(host, port, expected_engine_id, remote_tp_size)
-        # single-group fingerprints carry no TP size: vLLM's own, which its handshake checks
-        # against the peer's block lengths before any read
-        self.peer_tp_sizes.setdefault(expected_engine_id, int(remote_tp_size))
+        stated = self._fingerprint_tp.pop(expected_engine_id, 0)
         own = worker.compat_hash
-        if wire is None or wire == own:
-            return super()._nixl_handshake(  # type: ignore[misc]
-                host, port, remote_tp_size, expected_engine_id, *args, **kwargs
-            )
-        worker.compat_hash = wire
+        if wire is not None and wire != own:
+            worker.compat_hash = wire
         try:
-            return super()._nixl_handshake(  # type: ignore[misc]
+            result = super()._nixl_handshake(  # type: ignore[misc]
                 host, port, remote_tp_size, expected_engine_id, *args, **kwargs
             )
         finally:
             worker.compat_hash = own
+        # The peer's TP as its fingerprint states it (hybrids), else the one this handshake
+        # ran with, which vLLM checked against the peer's block lengths (single-group
+        # fingerprints carry none); recorded only once the handshake succeeded.
+        tp = stated or remote_tp_size
+        if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+            self.peer_tp_sizes[expected_engine_id] = tp
+        return result
 
     def verify_peer_layout(
         self, host: str, port: int, engine_id: str, remote_tp_size: int | None = None
@@ -502,7 +505,7 @@ class HybridRegistrationMixin:
             logger.error("%s", error)
             raise error
         if verdict.remote is not None and verdict.remote.tensor_parallel_size:
-            self.peer_tp_sizes[engine_id] = verdict.remote.tensor_parallel_size
+            self._fingerprint_tp[engine_id] = int(verdict.remote.tensor_parallel_size)
         if verdict.stock_peer or wire == self.layout_fingerprint.encode():
             return None
         remote = verdict.remote

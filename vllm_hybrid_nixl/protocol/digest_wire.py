@@ -290,6 +290,9 @@ def read_parsed(
         if not isinstance(unsplit, dict):
             raise ValueError("unsplit must be an object")
         for group, why in unsplit.items():
+            # only a group asked as a part may come back uncut, and not with digests too
+            if int(group) not in (split or {}) or int(group) in found:
+                raise ValueError(f"group {str(group)[:20]} is unsplit but was not asked so")
             empty = np.zeros(0, dtype=np.int64)
             found[int(group)] = GroupDigests(
                 empty, np.zeros((0, 2), dtype=np.uint64), unverifiable=str(why)[:300] or "?"

@@ -233,7 +233,10 @@ def read_part(
     worker (0.32) cuts it: ``(ratio, part)``, ``(1, 0)`` for the whole page, or why the part
     is not known. A state group (Mamba / linear attention) splits by the TP ratio; an
     attention group by the prefill's KV heads per rank over the decode's (a head a larger
-    decode TP replicates is read whole)."""
+    decode TP replicates is read whole). ``total_kv_heads`` as vLLM's transfer topology
+    counts them: 1 for MLA, whose latent every rank holds whole."""
+    if decode_tp < 1 or prefill_tp < 1:
+        return f"TP sizes {prefill_tp} and {decode_tp} are not both at least 1"
     if decode_tp < prefill_tp:
         return (
             f"the prefill TP ({prefill_tp}) is larger than the decode TP ({decode_tp}): a "
