@@ -8,7 +8,8 @@ KV read over NIXL by both decode ranks. Mamba2 hybrid whose B/C groups split ove
 In both, every decode rank's read of its half of the prefill's pages is verified byte for
 byte by the KV digest (the prefill's cells of that half); a byte flipped in what a decode rank
 received (``tests/harness/kv_corruption_site``) is caught and never answered as HTTP 200 with
-other tokens.
+other tokens. A decode leg replayed after its read is refused by its lease before either
+decode rank reads.
 Sliding-window hybrid from a TP 2 prefill into a TP 1 decode (stock vLLM's smaller decode
 TP died reading a larger prefill TP's hybrid KV): the router and the decode engine refuse it
 by name. ``check`` gives the same verdicts for the same models, and refuses a Mamba2 hybrid
@@ -47,7 +48,7 @@ from tests.e2e.pd_fixture import (
     start_pair,
 )
 from vllm_hybrid_nixl.deploy.engines import stop_engines
-from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion
+from vllm_hybrid_nixl.deploy.pd_client import LegError, disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.pairing import PairingTable
 from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
@@ -55,6 +56,16 @@ from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 pytestmark = pytest.mark.e2e
 
 WORDS = "the decode engine splits its kv heads over two ranks"
+#: The decode engine's log lines when a replayed leg is refused: its pin (the prefill
+#: released the blocks) or its claim (another decode request read those blocks).
+LEASE_REFUSALS = ("released its KV blocks", "already reads those blocks")
+
+
+def lease_refusals(pair: PdPair) -> int:
+    log = pair.decode.log_text()
+    return sum(log.count(line) for line in LEASE_REFUSALS)
+
+
 PROMPTS = [f"tp {i}: " + " ".join([WORDS] * n) for i, n in enumerate([1, 11])]
 
 
@@ -80,6 +91,25 @@ def assert_split_reads_verified(pair: PdPair) -> None:
     assert {"Worker_TP0", "Worker_TP1"} <= {
         rank for line in verified for rank in ("Worker_TP0", "Worker_TP1") if rank in line
     }, verified
+
+
+def assert_replayed_decode_leg_is_refused(pair: PdPair, prompt: str) -> None:
+    """A decode leg sent again with the parameters of one already read: the decode engine's
+    scheduler refuses it (its claim, or its lease pin: the prefill released the blocks), so
+    neither decode rank reads, and the answer is an error or the prompt computed afresh,
+    never other tokens."""
+    body = {"model": pair.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=300) as client:
+        prefill = client.post(f"{pair.prefill.spec.url}/v1/completions", json=prefill_body(body))
+        params = prefill.json()["kv_transfer_params"]
+        decode = {**body, "kv_transfer_params": params}
+        first = client.post(f"{pair.decode.spec.url}/v1/completions", json=decode)
+        assert first.status_code == 200, first.text[:500]
+        before = lease_refusals(pair)
+        again = client.post(f"{pair.decode.spec.url}/v1/completions", json=decode)
+    if again.status_code == 200:
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert lease_refusals(pair) > before, pair.decode.log_text()[-3000:]
 
 
 def assert_received_corruption_is_caught(pair: PdPair, kind: str, prompt: str) -> None:
@@ -190,6 +220,7 @@ def test_mamba_hybrid_tp1_to_tp2_is_served_and_equals_colocated(
         assert verified >= 2, log[-3000:]
         assert_split_reads_verified(pair)
         assert_received_corruption_is_caught(pair, "mamba", "corrupt " + PROMPTS[1])
+        assert_replayed_decode_leg_is_refused(pair, "replay " + PROMPTS[0])
     finally:
         pair_iter.close()
 
