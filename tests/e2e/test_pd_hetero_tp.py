@@ -57,8 +57,13 @@ pytestmark = pytest.mark.e2e
 
 WORDS = "the decode engine splits its kv heads over two ranks"
 #: The decode engine's log lines when a replayed leg is refused: its pin (the prefill
-#: released the blocks) or its claim (another decode request read those blocks).
-LEASE_REFUSALS = ("released its KV blocks", "already reads those blocks")
+#: released the blocks, or another decode request pinned them) or its claim (another decode
+#: request on this engine reads those blocks).
+LEASE_REFUSALS = (
+    "released its KV blocks",
+    "already pinned these blocks",
+    "already reads those blocks",
+)
 
 
 def lease_refusals(pair: PdPair) -> int:
