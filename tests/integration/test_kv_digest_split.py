@@ -15,7 +15,7 @@ from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_ce
 from vllm_hybrid_nixl.protocol.digest_wire import part_of_cells
 from vllm_hybrid_nixl.protocol.layout import MAMBA_KIND, check_layout
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 BLOCKS = 5
 HEADS, TOKENS, DIM = 4, 16, 8
