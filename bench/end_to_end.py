@@ -254,6 +254,14 @@ def wait_for_health(url: str, processes: list[subprocess.Popen], timeout_s: floa
 PACED = {POLL_KEY: DEFAULT_POLL_US}
 
 
+#: Unconfined engines keep one compute thread each and let the OS place it. With vLLM's default
+#: binding (``auto``) two engines on two cores each bind an OpenMP team to both cores (the
+#: reserve of 2 leaves nothing, vLLM only warns) and the first P/D request's decode worker
+#: stalled ("No available shared memory broadcast block found in 60 seconds"; measured: no
+#: answer in 120 s, against 0.33 s with these settings).
+UNCONFINED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 def start_stack(
     model: str,
     log_dir: Path,
@@ -280,6 +288,7 @@ def start_stack(
                 cpu_core=core if confine_cores else None,
                 extra_args=list(args),
                 kv_extra_config={**PACED, **(kv_extra_config or {})},
+                env={} if confine_cores else dict(UNCONFINED_ENV),
             ),
             log_dir / f"{role}.log",
         ).start()
