@@ -321,14 +321,22 @@ class DigestGuardMixin:
         if parent is not None:
             parent()
 
-    def digest_pages(self, pages: Sequence[Sequence[int]]) -> dict[int, np.ndarray]:
-        """Group -> ``[n, 2]`` lanes of the given kernel pages of this worker's caches."""
+    def digest_pages(
+        self, pages: Sequence[Sequence[int]], split: Split | None = None
+    ) -> dict[int, np.ndarray]:
+        """Group -> ``[n, 2]`` lanes of the given kernel pages of this worker's caches; a
+        group in ``split`` is digested as that part of each larger remote page."""
         assert self._digester is not None
-        return {
-            group: self._digester.digest(group, list(ids))
-            for group, ids in enumerate(pages)
-            if ids and group in self._digester.groups
-        }
+        lanes: dict[int, np.ndarray] = {}
+        for group, ids in enumerate(pages):
+            if not ids or group not in self._digester.groups:
+                continue
+            if split and group in split:
+                ratio, part, _ = split[group]
+                lanes[group] = self._digester.digest_mapped(group, list(ids), ratio, part)
+            else:
+                lanes[group] = self._digester.digest(group, list(ids))
+        return lanes
 
     # ---- prefill rank ---------------------------------------------------------------------
 
@@ -586,22 +594,7 @@ class DigestGuardMixin:
     def received_digests(self, req_id: str, reads: list[_Read]) -> list[dict[int, np.ndarray]]:
         """The received pages' digests, read by read (the corruption tests wrap this): a
         group read as a part of each remote page is digested as that part."""
-        return [self._received(read) for read in reads]
-
-    def _received(self, read: _Read) -> dict[int, np.ndarray]:
-        if not read.split:
-            return self.digest_pages(read.local)
-        assert self._digester is not None
-        lanes: dict[int, np.ndarray] = {}
-        for group, ids in enumerate(read.local):
-            if not ids or group not in self._digester.groups:
-                continue
-            if group in read.split:
-                ratio, part, _ = read.split[group]
-                lanes[group] = self._digester.digest_mapped(group, list(ids), ratio, part)
-            else:
-                lanes[group] = self._digester.digest(group, list(ids))
-        return lanes
+        return [self.digest_pages(read.local, read.split) for read in reads]
 
     def _start_check(self, req_id: str, reads: list[_Read], expect: dict[str, Any]) -> _Check:
         local = self.received_digests(req_id, reads)
