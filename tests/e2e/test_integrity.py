@@ -30,9 +30,11 @@ from tests.e2e.pd_fixture import (
     running_router,
     start_pair,
 )
-from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET
+from tests.unit.test_digest_wire import raw_ask
+from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET, LEASE_PORT_OFFSET
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
+from vllm_hybrid_nixl.protocol.digest_wire import endpoint_of
 from vllm_hybrid_nixl.protocol.lease_wire import PARAMS_KEY, LeaseAddress
 from vllm_hybrid_nixl.router.backends import BackendPool
 from vllm_hybrid_nixl.router.settings import RouterSettings
@@ -327,6 +329,34 @@ class Impostor:
                 i += 1
             except zmq.ZMQError:
                 return
+
+
+def test_the_digest_service_answers_hostile_questions_and_serves_on(stack: Stack) -> None:
+    """Malformed and hostile KV digest questions (``split`` of every wrong shape, random
+    bytes) sent to the prefill worker's real digest service: each malformed split gets an
+    error naming it, a well-formed one for an unknown request says so, and afterwards both
+    engines are up and a P/D request through the router is answered as colocated."""
+    pair = stack.pair
+    endpoint = endpoint_of(
+        pair.prefill.spec.host, pair.prefill.spec.side_channel_port + DIGEST_PORT_OFFSET
+    )
+    hostile = [[], "0", {"0": [2, 2, 1]}, {"0": [0, 0, 1]}, {"-1": [2, 0, 1]}, {"0": [2, 0]},
+               {"0": [True, 0, 1]}, {"0": [2, 0, 10**9]}, {"0": [2.5, 0, 1]},
+               {str(g): [2, 0, 1] for g in range(65)}]  # fmt: skip
+    for split in hostile:
+        message = json.dumps({"op": "digest", "req": "x", "split": split}).encode()
+        reply = raw_ask(endpoint, message)
+        assert reply is not None and "split" in reply.get("error", ""), (split, reply)
+    rng = random.Random(11)
+    for _ in range(20):
+        raw_ask(endpoint, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
+    unknown = json.dumps({"op": "digest", "req": "no-such", "split": {"0": [2, 1, 1]}})
+    assert raw_ask(endpoint, unknown.encode()) == {"req": "no-such", "state": "unknown"}
+    expected = alone(stack, A)
+    answer = httpx.post(f"{stack.router_url}/v1/completions", json=body(pair.model, A), timeout=300)
+    assert answer.status_code == 200, answer.text[:500]
+    assert answer.json()["choices"][0]["text"] == expected
+    assert_alive(stack)
 
 
 def test_decode_legs_with_any_lease_value_never_kill_the_engine(stack: Stack) -> None:
