@@ -56,6 +56,12 @@ EXTRA_CONFIG_KEYS = (
         "seconds a completed read waits for its prefill's digests before it fails",
     ),
     Setting(
+        "reads_before_forward",
+        "our connector, worker role (default `true` on vLLM's CPU platform, else `false`)",
+        "start a step's KV reads when the step's metadata is bound, before its forward; vLLM "
+        "starts them after launching the forward, which on CPU is after the whole forward",
+    ),
+    Setting(
         "progress_poll_us",
         "our worker (default `0`; `1000` recommended on vLLM's CPU platform)",
         "NIXL's progress thread waits for transport events, at most this long, instead of "

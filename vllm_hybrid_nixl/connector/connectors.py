@@ -40,11 +40,25 @@ class _HybridWorkerMixin:
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Binds the step's metadata, and has a prefill worker digest the blocks it names
-        now, before the step's forward (see ``DigestGuardMixin.digest_sources``)."""
+        now, before the step's forward (see ``DigestGuardMixin.digest_sources``). Where
+        ``reads_before_forward`` holds, the step's reads start here too."""
         super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
-        digest_sources = getattr(self.connector_worker, "digest_sources", None)
+        worker = self.connector_worker
+        digest_sources = getattr(worker, "digest_sources", None)
         if digest_sources is not None:
             digest_sources(connector_metadata)
+        if worker is not None and getattr(worker, "reads_before_forward", False):
+            self._loads_started_for = connector_metadata
+            worker.start_load_kv(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """vLLM's call, after the forward for asynchronous loads; a no-op for metadata whose
+        loads started when it was bound."""
+        started = getattr(self, "_loads_started_for", None)
+        if started is not None and started is self._connector_metadata:
+            self._loads_started_for = None
+            return
+        super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
 
 
 class HybridNixlConnector(LeaseHolderMixin, _HybridWorkerMixin, _NIXL.pull_connector):

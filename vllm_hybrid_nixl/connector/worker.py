@@ -173,6 +173,26 @@ def progress_poll_us(kv_transfer_config: Any) -> int:
     return value
 
 
+#: ``kv_connector_extra_config`` key: start a step's KV reads when its metadata is bound.
+EARLY_READS_KEY = "reads_before_forward"
+
+
+def reads_before_forward(kv_transfer_config: Any) -> bool:
+    """``reads_before_forward`` from ``kv_connector_extra_config``; default: true on vLLM's
+    CPU platform, where the forward is synchronous and vLLM's start of a step's reads "after
+    the forward launch" is after the whole forward (a read then waits a step longer)."""
+    default = compat.on_cpu_platform()
+    if kv_transfer_config is None:
+        return default
+    value = kv_transfer_config.get_from_extra_config(EARLY_READS_KEY, default)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"kv_connector_extra_config {EARLY_READS_KEY} is {value!r}; expected true or "
+            "false (true starts a step's KV reads before its forward, false where vLLM does)"
+        )
+    return value
+
+
 class HybridRegistrationMixin:
     """Overrides ``register_kv_caches`` of a vLLM NIXL worker with describe -> check -> register."""
 
@@ -197,6 +217,8 @@ class HybridRegistrationMixin:
         with paced_agents(compat.nixl_agent_class(), poll_us) as paced:
             super().__init__(*args, **kwargs)
         self.progress_poll_us = poll_us if paced else 0
+        #: Whether the connector starts a step's reads when it binds the step's metadata.
+        self.reads_before_forward = reads_before_forward(kv_transfer_config)
         #: Prefill engines this (reading) worker completed a handshake with: their TP size,
         #: from their fingerprint (hybrids), else the one vLLM's handshake used and checked.
         self.peer_tp_sizes: dict[str, int] = {}
