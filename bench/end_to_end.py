@@ -360,15 +360,15 @@ class TinyStack:
 
 @contextmanager
 def tiny_stack(
-    kv_extra_config: dict | None = None, confine_cores: bool = True
+    kv_extra_config: dict | None = None, confine_cores: bool = True, spec: Any = None
 ) -> Iterator[TinyStack]:
-    """The default tiny hybrid built in a temporary folder and :func:`start_stack` on it;
-    stopped (by PID) on exit."""
+    """A tiny model (the default tiny hybrid, or ``spec``, a ``TinyModelSpec``) built in a
+    temporary folder and :func:`start_stack` on it; stopped (by PID) on exit."""
     from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = str(build_tiny_model(work / "model", TinyModelSpec()))
+        model = str(build_tiny_model(work / "model", spec or TinyModelSpec()))
         started = time.monotonic()
         urls, stop, router_pid = start_stack(
             model, work, kv_extra_config, with_router_pid=True, confine_cores=confine_cores

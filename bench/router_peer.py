@@ -84,7 +84,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def bench_serve(
-    url: str, model: str, concurrency: int, prompts: int, out: Path, seed: int = 0
+    url: str,
+    model: str,
+    concurrency: int,
+    prompts: int,
+    out: Path,
+    seed: int = 0,
+    lengths: tuple[int, int] = (256, 32),
 ) -> dict:
     """One ``vllm bench serve`` run with the prompts of ``seed``; its saved result. Each run
     first sends ``concurrency`` untimed requests at once through the same target (vLLM's
@@ -94,7 +100,8 @@ def bench_serve(
     command = [
         sys.executable, "-m", "vllm_hybrid_nixl.connector.launcher", "bench", "serve",
         "--backend", "openai", "--base-url", url, "--model", model, "--tokenizer", model,
-        "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
+        "--dataset-name", "random", "--random-input-len", str(lengths[0]),
+        "--random-output-len", str(lengths[1]),
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--ignore-eos", "--save-result", "--result-dir", str(out),
         "--result-filename", name, "--percentile-metrics", "ttft,itl,e2el",
@@ -143,18 +150,21 @@ def measure(
     rounds: range,
     per_slot: int,
     out: Path,
+    lengths: tuple[int, int] = (256, 32),
 ) -> list[dict[str, Any]]:
     """One run per target, concurrency and round of ``rounds`` (their indexes pick the
     prompts and the order of the targets)."""
     runs: list[dict[str, Any]] = []
     for round_index in rounds:
         for c in concurrency:
-            shift = round_index % len(TARGETS)
-            for target in TARGETS[shift:] + TARGETS[:shift]:
+            order = [t for t in TARGETS if t in urls]
+            shift = round_index % len(order)
+            for target in order[shift:] + order[:shift]:
                 seed = run_seed(round_index, c, TARGETS.index(target))
                 cached = {role: prefix_cache_counts(url) for role, url in engines.items()}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                result = bench_serve(urls[target], model, c, prompts_for(c, per_slot), out, seed)
+                prompts = prompts_for(c, per_slot)
+                result = bench_serve(urls[target], model, c, prompts, out, seed, lengths)
                 spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
                 after = {role: prefix_cache_counts(url) for role, url in engines.items()}
                 runs.append(

@@ -1,0 +1,234 @@
+"""P/D through our router against its decode engine serving alone, at the same concurrency,
+for two model shapes, side by side in one run: output tokens/s, TTFT and end-to-end latency,
+and each engine's CPU time per output token.
+
+Per shape, one stack (a prefill and a decode engine, a core each, HybridNixlConnector, our
+router; :func:`bench.end_to_end.start_stack`); ``vllm bench serve`` (random prompts,
+``--ignore-eos``) runs against the router (P/D) and against the decode engine (alone), in an
+order that alternates round by round, every run with prompts of its own. The shapes:
+
+- ``tiny``: the default tiny hybrid, almost no compute per byte of KV: a 256-token prefill
+  costs the decode engine about what its per-request handling does;
+- ``real_compute``: the goodput benchmark's model, shaped so that its compute per byte of
+  KV is a real GQA model's (``bench.goodput.bench_model_spec``).
+
+CPU per output token: the user + system seconds of each engine's processes (API server,
+engine core, worker; the kernel's accounting) over a run, warm-up requests included, over the
+run's output tokens. Headline: ``pd_vs_decode_alone_tokens_per_s`` per shape at the highest
+concurrency (issue 34's goal: >= 1.0).
+
+    python -m bench.pd_throughput [--concurrency 32] [--rounds 2] [--shapes tiny real_compute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.end_to_end import RESULTS, percentile, tiny_stack
+from bench.router_peer import bench_serve, prompts_for, refresh_latest, run_seed, warm_up
+
+SHAPES = ("tiny", "real_compute")
+WAYS = {"pd": "router", "decode_alone": "decode"}
+
+
+def model_spec(shape: str) -> Any:
+    from bench.goodput import bench_model_spec
+    from vllm_hybrid_nixl.tools.tiny_model import TinyModelSpec
+
+    return TinyModelSpec() if shape == "tiny" else bench_model_spec()
+
+
+def engine_processes(url: str) -> list[psutil.Process]:
+    """The process listening on ``url``'s port (an engine's API server) and its children."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            server = psutil.Process(conn.pid)
+            return [server, *server.children(recursive=True)]
+    raise RuntimeError(f"no process listens on {url}")
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def measure_shape(
+    shape: str, concurrency: list[int], rounds: int, per_slot: int, lengths: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """Every (round, concurrency, way) run on one stack of ``shape``."""
+    runs: list[dict[str, Any]] = []
+    with tiny_stack(spec=model_spec(shape)) as stack:
+        engines = {role: engine_processes(stack.urls[role]) for role in ("prefill", "decode")}
+        warm_up(stack.urls["router"], stack.model)
+        warm_up(stack.urls["decode"], stack.model)
+        for round_index in range(rounds):
+            for c in concurrency:
+                order = list(WAYS) if round_index % 2 == 0 else list(WAYS)[::-1]
+                for way in order:
+                    seed = run_seed(round_index, c, list(WAYS).index(way))
+                    before = {role: cpu_seconds(p) for role, p in engines.items()}
+                    result = bench_serve(
+                        stack.urls[WAYS[way]],
+                        stack.model,
+                        c,
+                        prompts_for(c, per_slot),
+                        stack.work,
+                        seed,
+                        lengths,
+                    )
+                    tokens = max(result["total_output_tokens"], 1)
+                    cpu_ms = {
+                        role: (cpu_seconds(p) - before[role]) * 1e3 / tokens
+                        for role, p in engines.items()
+                    }
+                    runs.append(
+                        {
+                            "shape": shape,
+                            "round": round_index,
+                            "concurrency": c,
+                            "way": way,
+                            "output_tokens": result["total_output_tokens"],
+                            "duration_s": result["duration"],
+                            "output_tokens_per_s": result["output_throughput"],
+                            "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
+                            "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
+                            "cpu_ms_per_output_token": cpu_ms,
+                        }
+                    )
+                    print(
+                        f"  {shape}, round {round_index + 1}, c={c}, {way}: "
+                        f"{result['output_throughput']:.0f} tok/s, TTFT p50 "
+                        f"{result['median_ttft_ms']:.0f} ms, CPU ms/token "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in cpu_ms.items()),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled figures per (shape, concurrency, way), per-round P/D / alone ratios, headline."""
+    table: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        table.setdefault(run["shape"], {}).setdefault(str(run["concurrency"]), {})
+    for shape, by_c in table.items():
+        for c in by_c:
+            for way in WAYS:
+                chosen = [
+                    r
+                    for r in runs
+                    if r["shape"] == shape and str(r["concurrency"]) == c and r["way"] == way
+                ]
+                if not chosen:
+                    continue
+                ttfts = [t for r in chosen for t in r["ttfts_ms"]]
+                e2els = [t for r in chosen for t in r["e2els_ms"]]
+                by_c[c][way] = {
+                    "output_tokens_per_s": sum(r["output_tokens"] for r in chosen)
+                    / sum(r["duration_s"] for r in chosen),
+                    "ttft_p50_ms": percentile(ttfts, 50),
+                    "ttft_p99_ms": percentile(ttfts, 99),
+                    "e2el_p50_ms": percentile(e2els, 50),
+                    "cpu_ms_per_output_token": {
+                        role: sum(r["cpu_ms_per_output_token"][role] for r in chosen) / len(chosen)
+                        for role in ("prefill", "decode")
+                    },
+                }
+            per_round = ratios.setdefault(shape, {}).setdefault(c, [])
+            for round_index in sorted({r["round"] for r in runs}):
+                pair = {
+                    r["way"]: r
+                    for r in runs
+                    if r["shape"] == shape
+                    and str(r["concurrency"]) == c
+                    and r["round"] == round_index
+                }
+                if len(pair) == len(WAYS):
+                    per_round.append(
+                        pair["pd"]["output_tokens_per_s"]
+                        / pair["decode_alone"]["output_tokens_per_s"]
+                    )
+    headline: dict[str, float] = {}
+    for shape, by_c in table.items():
+        top = max(by_c, key=int)
+        if set(WAYS) <= set(by_c[top]):
+            headline[f"pd_vs_decode_alone_tokens_per_s_{shape}"] = (
+                by_c[top]["pd"]["output_tokens_per_s"]
+                / by_c[top]["decode_alone"]["output_tokens_per_s"]
+            )
+    return {"by_shape": table, "per_round_pd_vs_alone": ratios, "headline": headline}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
+        "| prefill CPU ms/token | decode CPU ms/token |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, by_c in result["by_shape"].items():
+        for c, ways in by_c.items():
+            for way, row in ways.items():
+                cpu = row["cpu_ms_per_output_token"]
+                lines.append(
+                    f"| {shape} | {c} | {way} | {row['output_tokens_per_s']:.0f} | "
+                    f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
+                    f"{row['e2el_p50_ms']:.0f} | {cpu['prefill']:.3f} | {cpu['decode']:.3f} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts-per-slot", type=int, default=6)
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--out", default=str(RESULTS), help="where results are written")
+    args = parser.parse_args()
+    started = time.monotonic()
+    lengths = (args.input_len, args.output_len)
+    runs = [
+        run
+        for shape in args.shapes
+        for run in measure_shape(
+            shape, args.concurrency, args.rounds, args.prompts_per_slot, lengths
+        )
+    ]
+    result = {
+        "lengths": {"input": lengths[0], "output": lengths[1]},
+        "rounds": args.rounds,
+        "prompts_per_run": {
+            str(c): prompts_for(c, args.prompts_per_slot) for c in args.concurrency
+        },
+        "wall_s": time.monotonic() - started,
+        "runs": runs,
+        **summarize(runs),
+    }
+    print(table(result))
+    print(json.dumps(result["headline"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pd_throughput.json").write_text(json.dumps(result, indent=2))
+    refresh_latest(result["headline"], out / "latest.json", section="pd_throughput")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

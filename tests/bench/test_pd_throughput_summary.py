@@ -1,0 +1,58 @@
+"""How ``bench.pd_throughput`` pools its runs: per (shape, concurrency, way) output tokens over
+run time, percentiles over every request, CPU per token averaged over runs, the P/D / alone
+ratio round by round, and a headline per shape at the highest concurrency."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pd_throughput import summarize, table
+
+
+def run(
+    shape: str, way: str, concurrency: int, tokens: int, seconds: float, round_index: int
+) -> dict:
+    return {
+        "shape": shape,
+        "round": round_index,
+        "concurrency": concurrency,
+        "way": way,
+        "output_tokens": tokens,
+        "duration_s": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "ttfts_ms": [10.0 * (round_index + 1), 30.0],
+        "e2els_ms": [100.0, 200.0],
+        "cpu_ms_per_output_token": {"prefill": 0.1 * (round_index + 1), "decode": 0.5},
+    }
+
+
+def test_pooled_figures_round_ratios_and_headline_per_shape() -> None:
+    runs = [
+        run("tiny", "pd", 32, 600, 1.0, 0),
+        run("tiny", "decode_alone", 32, 1000, 1.0, 0),
+        run("tiny", "pd", 32, 800, 1.0, 1),
+        run("tiny", "decode_alone", 32, 1000, 1.0, 1),
+        run("tiny", "pd", 8, 500, 1.0, 0),  # lower concurrency: not in the headline
+        run("tiny", "decode_alone", 8, 250, 1.0, 0),
+        run("real_compute", "pd", 32, 360, 3.0, 0),
+        run("real_compute", "decode_alone", 32, 100, 1.0, 0),
+    ]
+    result = summarize(runs)
+    tiny = result["by_shape"]["tiny"]["32"]
+    assert tiny["pd"]["output_tokens_per_s"] == pytest.approx(700.0)  # 1400 tokens over 2 s
+    assert tiny["pd"]["cpu_ms_per_output_token"]["prefill"] == pytest.approx(0.15)
+    assert tiny["pd"]["ttft_p50_ms"] == pytest.approx(25.0)  # over the four requests
+    assert result["per_round_pd_vs_alone"]["tiny"]["32"] == pytest.approx([0.6, 0.8])
+    assert result["headline"] == {
+        "pd_vs_decode_alone_tokens_per_s_tiny": pytest.approx(0.7),
+        "pd_vs_decode_alone_tokens_per_s_real_compute": pytest.approx(1.2),
+    }
+    rendered = table(result)
+    assert "| real_compute | 32 | pd | 120 |" in rendered
+    assert rendered.count("\n") == 2 + 6 - 1  # header, rule, one row per shape/c/way
+
+
+def test_a_shape_missing_a_way_has_no_headline() -> None:
+    result = summarize([run("tiny", "pd", 32, 600, 1.0, 0)])
+    assert result["headline"] == {}
+    assert result["per_round_pd_vs_alone"]["tiny"]["32"] == []
