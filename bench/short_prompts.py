@@ -6,7 +6,9 @@ prompts through the same router still go P/D (the decode engine's NIXL bytes say
     python -m bench.short_prompts [--requests 24] [--threshold 64]
 
 One prefill and one decode ``vllm serve`` (tiny hybrid model, a core each) and two router
-processes in front of them: one without a threshold, one with. One request at a time, each
+processes in front of them: one without a threshold, one with; and, as the floor any Python
+hop sets, ``bench.passthrough_proxy`` (an aiohttp relay with no parsing or policy) in front of
+the decode engine. One request at a time, each
 prompt new (no prefix-cache hits), the ways rotated request by request. Writes
 ``short_prompts.json`` under ``bench/results/``.
 """
@@ -34,7 +36,7 @@ from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.common.processes import die_with_parent
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 
-WAYS = ("decode_alone", "router_pd", "router_conditional")
+WAYS = ("decode_alone", "router_pd", "router_conditional", "passthrough_proxy")
 WORDS = "hybrid state blocks move between engines over nixl".split()
 
 
@@ -94,12 +96,35 @@ def three_ways(threshold: int) -> Iterator[tuple[str, dict[str, str], dict[str, 
             stop()
 
 
+@contextmanager
+def passthrough_proxy(upstream: str) -> Iterator[str]:
+    """``bench.passthrough_proxy`` in front of ``upstream``, as its own process; its URL."""
+    port = free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "bench.passthrough_proxy", str(port), upstream],
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_health(url, [proxy])
+        yield url
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=20)
+
+
 def run(requests: int, threshold: int, short_words: int, long_words: int) -> dict[str, Any]:
-    with three_ways(threshold) as (model, urls, ways):
+    with (
+        three_ways(threshold) as (model, urls, ways),
+        passthrough_proxy(urls["decode"]) as proxy_url,
+    ):
+        ways["passthrough_proxy"] = {**urls, "router": proxy_url}
         ttft: dict[str, list[float]] = {way: [] for way in WAYS}
         long_nixl: list[float] = []
         for index in range(requests + 1):  # the first round warms every way up: untimed
-            order = WAYS[index % 3 :] + WAYS[: index % 3]
+            shift = index % len(WAYS)
+            order = WAYS[shift:] + WAYS[:shift]
             for offset, way in enumerate(order):
                 body = {"model": model, "max_tokens": 4, "temperature": 0.0}
                 body.update(ignore_eos=True, stream=True)
@@ -124,6 +149,7 @@ def run(requests: int, threshold: int, short_words: int, long_words: int) -> dic
         "ttft_p90_s": {way: statistics.quantiles(v, n=10)[-1] for way, v in ttft.items()},
         "conditional_vs_decode_alone_ttft": medians["router_conditional"] / medians["decode_alone"],
         "pd_vs_decode_alone_ttft": medians["router_pd"] / medians["decode_alone"],
+        "passthrough_vs_decode_alone_ttft": medians["passthrough_proxy"] / medians["decode_alone"],
         "long_prompts_moved_kv": sum(1 for b in long_nixl if b > 0),
         "long_prompts": len(long_nixl),
         "short_prompt_choices_line": [
@@ -150,7 +176,8 @@ def main() -> int:
         print(f"{way:>20}: TTFT median {result['ttft_median_s'][way] * 1000:.1f} ms")
     print(
         f"conditional / decode alone {result['conditional_vs_decode_alone_ttft']:.2f}x, "
-        f"P/D / decode alone {result['pd_vs_decode_alone_ttft']:.2f}x; long prompts that "
+        f"P/D / decode alone {result['pd_vs_decode_alone_ttft']:.2f}x, a bare Python hop / "
+        f"decode alone {result['passthrough_vs_decode_alone_ttft']:.2f}x; long prompts that "
         f"moved KV: {result['long_prompts_moved_kv']}/{result['long_prompts']}"
     )
     return 0
