@@ -180,7 +180,10 @@ EARLY_READS_KEY = "reads_before_forward"
 def reads_before_forward(kv_transfer_config: Any) -> bool:
     """``reads_before_forward`` from ``kv_connector_extra_config``; default: true on vLLM's
     CPU platform, where the forward is synchronous and vLLM's start of a step's reads "after
-    the forward launch" is after the whole forward (a read then waits a step longer)."""
+    the forward launch" is after the whole forward (a read then waits a step longer). There
+    the zeroing of freshly allocated blocks has finished before the metadata is bound; on a
+    GPU it may still be in flight on the stream, which a read started at binding could race,
+    so the default there is vLLM's order."""
     default = compat.on_cpu_platform()
     if kv_transfer_config is None:
         return default
