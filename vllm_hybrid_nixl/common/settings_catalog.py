@@ -57,7 +57,8 @@ EXTRA_CONFIG_KEYS = (
     ),
     Setting(
         "reads_before_forward",
-        "our connector, worker role (default `true` on vLLM's CPU platform, else `false`)",
+        "our connector, every worker (default `true` on vLLM's CPU platform; `true` is "
+        "refused elsewhere)",
         "start a step's KV reads when the step's metadata is bound, before its forward; vLLM "
         "starts them after launching the forward, which on CPU is after the whole forward",
     ),

@@ -184,14 +184,21 @@ def reads_before_forward(kv_transfer_config: Any) -> bool:
     the zeroing of freshly allocated blocks has finished before the metadata is bound; on a
     GPU it may still be in flight on the stream, which a read started at binding could race,
     so the default there is vLLM's order."""
-    default = compat.on_cpu_platform()
+    on_cpu = compat.on_cpu_platform()
     if kv_transfer_config is None:
-        return default
-    value = kv_transfer_config.get_from_extra_config(EARLY_READS_KEY, default)
+        return on_cpu
+    value = kv_transfer_config.get_from_extra_config(EARLY_READS_KEY, on_cpu)
     if not isinstance(value, bool):
         raise ValueError(
             f"kv_connector_extra_config {EARLY_READS_KEY} is {value!r}; expected true or "
             "false (true starts a step's KV reads before its forward, false where vLLM does)"
+        )
+    if value and not on_cpu:
+        raise ValueError(
+            f"kv_connector_extra_config {EARLY_READS_KEY} is true, but this engine does not "
+            "run on vLLM's CPU platform: there fresh blocks may still be zeroing on the device "
+            "when the step's metadata is bound, and an early read could land under it; "
+            f"remove {EARLY_READS_KEY} (or set it to false)"
         )
     return value
 
@@ -217,11 +224,12 @@ class HybridRegistrationMixin:
             kwargs.get("vllm_config", args[0] if args else None), "kv_transfer_config", None
         )
         poll_us = progress_poll_us(kv_transfer_config)
+        early_reads = reads_before_forward(kv_transfer_config)  # checked before any agent
         with paced_agents(compat.nixl_agent_class(), poll_us) as paced:
             super().__init__(*args, **kwargs)
         self.progress_poll_us = poll_us if paced else 0
         #: Whether the connector starts a step's reads when it binds the step's metadata.
-        self.reads_before_forward = reads_before_forward(kv_transfer_config)
+        self.reads_before_forward = early_reads
         #: Prefill engines this (reading) worker completed a handshake with: their TP size,
         #: from their fingerprint (hybrids), else the one vLLM's handshake used and checked.
         self.peer_tp_sizes: dict[str, int] = {}
