@@ -151,33 +151,58 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
 
 
+def slope_stderr(xs: list[float], ys: list[float]) -> float:
+    """Standard error of :func:`slope` (from the residuals; NaN with fewer than 3 points)."""
+    if len(xs) < 3:
+        return math.nan
+    fitted = slope(xs, ys)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    residuals = [y - mean_y - fitted * (x - mean_x) for x, y in zip(xs, ys, strict=True)]
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return math.sqrt(sum(r * r for r in residuals) / (len(xs) - 2) / spread)
+
+
 def prompt_scaling(
     urls: dict[str, str], model: str, words: list[int], rounds: int
 ) -> dict[str, Any]:
     """TTFT through the router (P/D: prefill, then the KV moved over NIXL) and colocated, one
-    request at a time, for growing prompts; slopes in ms per 1,000 prompt tokens. For each
-    P/D request the decode engine's own NIXL counters give the bytes it read and the time
-    its reads took, so the TTFT P/D adds per 1,000 tokens (its slope over colocated's) can
-    be set against the transfer those tokens need."""
+    request at a time, for growing prompts; slopes in ms per 1,000 prompt tokens. Each way
+    gets a prompt of its own (same length, another first line): with one prompt for both,
+    the colocated request found the KV the P/D one had just moved in the decode engine's
+    prefix cache and computed nothing. For each P/D request the decode engine's own NIXL
+    counters give the bytes it read and the time its reads took, so the TTFT P/D adds per
+    1,000 tokens (its slope over colocated's) can be set against the transfer those tokens
+    need; each row also has the engines' own stage means for its P/D requests
+    (``bench.goodput.STAGES``)."""
+    from bench.goodput import scrape, stage_means_ms
+
     rows = []
     for n in words:
         ttft: dict[str, list[float]] = {"router": [], "colocated": []}
         moved_bytes: list[float] = []
         xfer_ms: list[float] = []
+        stages: dict[str, list[float]] = {}
         tokens = 0
         for r in range(rounds):
-            body = bodies_for(model, 1, 4, n)[0]
-            body["prompt"] = f"scaling {n} round {r}: " + body["prompt"]
-            tokens = count_tokens(urls["decode"], model, body["prompt"])
+            base = bodies_for(model, 1, 4, n)[0]
+            prompts = {way: f"scaling {n} round {r} {way}: {base['prompt']}" for way in ttft}
+            tokens = count_tokens(urls["decode"], model, prompts["router"])
             if tokens + 4 > MAX_MODEL_LEN:
                 break
             for way in ttft:
-                before = read_kv_transfer_counters(urls["decode"]) if way == "router" else None
+                body = {**base, "prompt": prompts[way]}
+                if way != "router":
+                    ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
+                    continue
+                before = read_kv_transfer_counters(urls["decode"])
+                scraped = {role: scrape(urls[role]) for role in ("prefill", "decode")}
                 ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
-                if before is not None:
-                    moved = read_kv_transfer_counters(urls["decode"]) - before
-                    moved_bytes.append(moved.nixl_bytes)
-                    xfer_ms.append(moved.nixl_xfer_s * 1e3)
+                moved = read_kv_transfer_counters(urls["decode"]) - before
+                moved_bytes.append(moved.nixl_bytes)
+                xfer_ms.append(moved.nixl_xfer_s * 1e3)
+                for role, earlier in scraped.items():
+                    for stage, ms in stage_means_ms(earlier, scrape(urls[role])).items():
+                        stages.setdefault(f"pd_{role}_{stage}_ms", []).append(ms)
         if ttft["router"]:
             rows.append(
                 {
@@ -186,6 +211,7 @@ def prompt_scaling(
                     **{f"{way}_ttft_ms": statistics.median(v) * 1e3 for way, v in ttft.items()},
                     "pd_kv_bytes": statistics.median(moved_bytes),
                     "pd_nixl_xfer_ms": statistics.median(xfer_ms),
+                    **{name: statistics.median(v) for name, v in sorted(stages.items())},
                 }
             )
     result: dict[str, Any] = {"rows": rows}
@@ -197,8 +223,17 @@ def prompt_scaling(
         result["pd_added_ttft_ms_per_1k_tokens"] = (
             result["router_ttft_ms_per_1k_tokens"] - result["colocated_ttft_ms_per_1k_tokens"]
         )
+        # how far the rows let the added slope be told apart from zero (standard error)
+        result["pd_added_ttft_ms_per_1k_tokens_stderr"] = slope_stderr(
+            xs, [row["router_ttft_ms"] - row["colocated_ttft_ms"] for row in rows]
+        )
         result["kv_bytes_per_1k_tokens"] = slope(xs, [row["pd_kv_bytes"] for row in rows])
         result["nixl_xfer_ms_per_1k_tokens"] = slope(xs, [row["pd_nixl_xfer_ms"] for row in rows])
+        for stage in ("pd_prefill_ttft_ms", "pd_decode_ttft_ms", "pd_decode_queue_ms"):
+            if all(stage in row for row in rows):  # the engines' own, per P/D request
+                per_1k = stage.removesuffix("_ms") + "_ms_per_1k_tokens"
+                result[per_1k] = slope(xs, [row[stage] for row in rows])
+                result[f"{per_1k}_stderr"] = slope_stderr(xs, [row[stage] for row in rows])
     return result
 
 

@@ -94,6 +94,10 @@ def test_sections_are_complete(results: Path) -> None:
     assert 0 < moved[0] < moved[1], moved
     assert all(r["pd_nixl_xfer_ms"] > 0 for r in e2e["prompt_scaling"]["rows"])
     assert finite_positive(e2e["prompt_scaling"]["kv_bytes_per_1k_tokens"])
+    # the engines' own view of each P/D request: the prefill's TTFT, the decode's wait and TTFT
+    for r in e2e["prompt_scaling"]["rows"]:
+        assert finite_positive(r["pd_prefill_ttft_ms"]) and finite_positive(r["pd_decode_ttft_ms"])
+        assert 0 <= r["pd_decode_queue_ms"] <= r["pd_decode_ttft_ms"]
 
 
 def test_report_table_and_plot(results: Path) -> None:

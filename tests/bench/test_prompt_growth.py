@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.end_to_end import set_against_bandwidth, transfer_ms_at
+from bench.end_to_end import set_against_bandwidth, slope, slope_stderr, transfer_ms_at
 
 pytestmark = pytest.mark.bench
 
@@ -41,3 +41,13 @@ def test_the_added_ttft_is_set_against_the_median_rate_and_the_engines_reads(
 def test_without_two_prompt_sizes_or_a_transfer_run_nothing_is_claimed(tmp_path: Path) -> None:
     assert set_against_bandwidth({"rows": []}, tmp_path / "transfer.json") == {}
     assert set_against_bandwidth({"kv_bytes_per_1k_tokens": 1.0}, tmp_path / "missing.json") == {}
+
+
+def test_a_slope_and_its_standard_error() -> None:
+    xs = [0.1, 0.4, 0.8]
+    assert slope(xs, [1.0 + 10 * x for x in xs]) == pytest.approx(10.0)
+    assert slope_stderr(xs, [1.0 + 10 * x for x in xs]) == pytest.approx(0.0, abs=1e-9)
+    # by hand: slope 0.5, residuals -0.5, 1, -0.5 -> sqrt(1.5 / (3 - 2) / 2)
+    assert slope([0.0, 1.0, 2.0], [0.0, 2.0, 1.0]) == pytest.approx(0.5)
+    assert slope_stderr([0.0, 1.0, 2.0], [0.0, 2.0, 1.0]) == pytest.approx(math.sqrt(0.75))
+    assert math.isnan(slope_stderr([0.1, 0.2], [1.0, 2.0]))
