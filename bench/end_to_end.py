@@ -303,16 +303,18 @@ def start_stack(
     kv_extra_config: dict | None = None,
     with_router_pid: bool = False,
     confine_cores: bool = True,
+    engine_args: list[str] | None = None,
 ):
     """Prefill and decode engines (a core each, or none with ``confine_cores`` False: as a
-    plain ``vllm serve`` starts) and the router process; returns (urls, stop), and the
-    router's PID after them when asked."""
+    plain ``vllm serve`` starts; ``engine_args`` added to both command lines) and the router
+    process; returns (urls, stop), and the router's PID after them when asked."""
     from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
     from vllm_hybrid_nixl.common.processes import die_with_parent
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
     from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 
     args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
+    args += engine_args or []
     engines = [
         EngineProcess(
             EngineSpec(
@@ -395,7 +397,10 @@ class TinyStack:
 
 @contextmanager
 def tiny_stack(
-    kv_extra_config: dict | None = None, confine_cores: bool = True, spec: Any = None
+    kv_extra_config: dict | None = None,
+    confine_cores: bool = True,
+    spec: Any = None,
+    engine_args: list[str] | None = None,
 ) -> Iterator[TinyStack]:
     """A tiny model (the default tiny hybrid, or ``spec``, a ``TinyModelSpec``) built in a
     temporary folder and :func:`start_stack` on it; stopped (by PID) on exit."""
@@ -406,7 +411,12 @@ def tiny_stack(
         model = str(build_tiny_model(work / "model", spec or TinyModelSpec()))
         started = time.monotonic()
         urls, stop, router_pid = start_stack(
-            model, work, kv_extra_config, with_router_pid=True, confine_cores=confine_cores
+            model,
+            work,
+            kv_extra_config,
+            with_router_pid=True,
+            confine_cores=confine_cores,
+            engine_args=engine_args,
         )
         try:
             yield TinyStack(model, urls, router_pid, work, time.monotonic() - started)

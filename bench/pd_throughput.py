@@ -13,8 +13,11 @@ order that alternates round by round, every run with prompts of its own. The sha
   KV is a real GQA model's (``bench.goodput.bench_model_spec``).
 
 CPU per output token: the user + system seconds of each engine's processes (API server,
-engine core, worker; the kernel's accounting) over a run, warm-up requests included, over the
-run's output tokens. Headline: ``pd_vs_decode_alone_tokens_per_s`` per shape at the highest
+engine core, worker; the kernel's accounting) and of the router process over a run, less
+what each spent idle over as long (measured before the runs), over the run's output tokens
+with those of ``vllm bench serve``'s readiness and warm-up requests. Prefix caching is off in
+both engines (``ENGINE_ARGS``); each run records the engines' hit shares (0 expected).
+Headline: ``pd_vs_decode_alone_tokens_per_s`` per shape at the highest
 concurrency (issue 34's goal: >= 1.0).
 
     python -m bench.pd_throughput [--concurrency 32] [--rounds 2] [--shapes tiny real_compute]
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -32,10 +36,26 @@ from typing import Any
 import psutil
 
 from bench.end_to_end import RESULTS, percentile, tiny_stack
-from bench.router_peer import bench_serve, prompts_for, refresh_latest, run_seed, warm_up
+from bench.router_peer import (
+    bench_serve,
+    hit_shares,
+    prefix_cache_counts,
+    prompts_for,
+    refresh_latest,
+    run_seed,
+    warm_up,
+)
 
 SHAPES = ("tiny", "real_compute")
 WAYS = {"pd": "router", "decode_alone": "decode"}
+ENGINES = ("prefill", "decode")
+#: vLLM's random prompts start at a random token id and count up, so with the tiny models'
+#: few hundred token ids they repeat across runs: with prefix caching on, the decode engine
+#: alone found up to most of a run's prompts cached (P/D's moved KV included), the prefill
+#: engine fewer. Off, every run computes what it is sent.
+ENGINE_ARGS = ["--no-enable-prefix-caching"]
+#: Seconds of no traffic over which each process's idle CPU rate is taken.
+IDLE_PROBE_S = 5.0
 
 
 def model_spec(shape: str) -> Any:
@@ -66,35 +86,47 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
+def idle_cpu_rates(
+    processes: dict[str, list[psutil.Process]], seconds: float = IDLE_PROBE_S
+) -> dict[str, float]:
+    """CPU seconds per second each role's processes spend with no request in flight."""
+    before = {role: cpu_seconds(p) for role, p in processes.items()}
+    time.sleep(seconds)
+    return {role: (cpu_seconds(p) - before[role]) / seconds for role, p in processes.items()}
+
+
 def measure_shape(
     shape: str, concurrency: list[int], rounds: int, per_slot: int, lengths: tuple[int, int]
 ) -> list[dict[str, Any]]:
     """Every (round, concurrency, way) run on one stack of ``shape``."""
     runs: list[dict[str, Any]] = []
-    with tiny_stack(spec=model_spec(shape)) as stack:
-        engines = {role: engine_processes(stack.urls[role]) for role in ("prefill", "decode")}
+    with tiny_stack(spec=model_spec(shape), engine_args=ENGINE_ARGS) as stack:
+        processes = {role: engine_processes(stack.urls[role]) for role in ("prefill", "decode")}
+        processes["router"] = [psutil.Process(stack.router_pid)]
         warm_up(stack.urls["router"], stack.model)
         warm_up(stack.urls["decode"], stack.model)
+        idle = idle_cpu_rates(processes)
         for round_index in range(rounds):
             for c in concurrency:
                 order = list(WAYS) if round_index % 2 == 0 else list(WAYS)[::-1]
                 for way in order:
                     seed = run_seed(round_index, c, list(WAYS).index(way))
-                    before = {role: cpu_seconds(p) for role, p in engines.items()}
+                    url = stack.urls[WAYS[way]]
+                    cached = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
+                    before = {role: cpu_seconds(p) for role, p in processes.items()}
+                    started = time.monotonic()
                     result = bench_serve(
-                        stack.urls[WAYS[way]],
-                        stack.model,
-                        c,
-                        prompts_for(c, per_slot),
-                        stack.work,
-                        seed,
-                        lengths,
+                        url, stack.model, c, prompts_for(c, per_slot), stack.work, seed, lengths
                     )
-                    tokens = max(result["total_output_tokens"], 1)
-                    cpu_ms = {
-                        role: (cpu_seconds(p) - before[role]) * 1e3 / tokens
-                        for role, p in engines.items()
+                    wall = time.monotonic() - started
+                    spent = {
+                        role: cpu_seconds(p) - before[role] - idle[role] * wall
+                        for role, p in processes.items()
                     }
+                    after = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
+                    # vllm bench serve's readiness request and its c warm-up requests also ran
+                    tokens = result["total_output_tokens"] + (c + 1) * lengths[1]
+                    cpu_ms = {role: max(v, 0.0) * 1e3 / tokens for role, v in spent.items()}
                     runs.append(
                         {
                             "shape": shape,
@@ -107,6 +139,7 @@ def measure_shape(
                             "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
                             "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
                             "cpu_ms_per_output_token": cpu_ms,
+                            "prefix_cache_hit_share": hit_shares(cached, after),
                         }
                     )
                     print(
@@ -146,7 +179,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "e2el_p50_ms": percentile(e2els, 50),
                     "cpu_ms_per_output_token": {
                         role: sum(r["cpu_ms_per_output_token"][role] for r in chosen) / len(chosen)
-                        for role in ("prefill", "decode")
+                        for role in chosen[0]["cpu_ms_per_output_token"]
                     },
                 }
             per_round = ratios.setdefault(shape, {}).setdefault(c, [])
@@ -177,8 +210,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
-        "| prefill CPU ms/token | decode CPU ms/token |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prefill CPU ms/token | decode CPU ms/token | router CPU ms/token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, by_c in result["by_shape"].items():
         for c, ways in by_c.items():
@@ -187,7 +220,8 @@ def table(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {shape} | {c} | {way} | {row['output_tokens_per_s']:.0f} | "
                     f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
-                    f"{row['e2el_p50_ms']:.0f} | {cpu['prefill']:.3f} | {cpu['decode']:.3f} |"
+                    f"{row['e2el_p50_ms']:.0f} | {cpu['prefill']:.3f} | {cpu['decode']:.3f} | "
+                    f"{cpu.get('router', math.nan):.3f} |"
                 )
     return "\n".join(lines)
 

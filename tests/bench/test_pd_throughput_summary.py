@@ -22,7 +22,11 @@ def run(
         "output_tokens_per_s": tokens / seconds,
         "ttfts_ms": [10.0 * (round_index + 1), 30.0],
         "e2els_ms": [100.0, 200.0],
-        "cpu_ms_per_output_token": {"prefill": 0.1 * (round_index + 1), "decode": 0.5},
+        "cpu_ms_per_output_token": {
+            "prefill": 0.1 * (round_index + 1),
+            "decode": 0.5,
+            "router": 0.05,
+        },
     }
 
 
@@ -41,6 +45,7 @@ def test_pooled_figures_round_ratios_and_headline_per_shape() -> None:
     tiny = result["by_shape"]["tiny"]["32"]
     assert tiny["pd"]["output_tokens_per_s"] == pytest.approx(700.0)  # 1400 tokens over 2 s
     assert tiny["pd"]["cpu_ms_per_output_token"]["prefill"] == pytest.approx(0.15)
+    assert tiny["pd"]["cpu_ms_per_output_token"]["router"] == pytest.approx(0.05)
     assert tiny["pd"]["ttft_p50_ms"] == pytest.approx(25.0)  # over the four requests
     assert result["per_round_pd_vs_alone"]["tiny"]["32"] == pytest.approx([0.6, 0.8])
     assert result["headline"] == {
