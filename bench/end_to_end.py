@@ -85,11 +85,16 @@ async def one_round(
         return await asyncio.gather(*(timed_request(client, way, urls, b) for b in bodies))
 
 
-def bodies_for(model: str, concurrency: int, max_tokens: int, words: int) -> list[dict]:
+def bodies_for(
+    model: str, concurrency: int, max_tokens: int, words: int, tag: str = ""
+) -> list[dict]:
+    """``concurrency`` streamed requests of ``words`` repeated words; ``tag`` leads each
+    prompt, so requests tagged apart share no cached block (vLLM's prefix cache is per
+    64-token block, chained from the first)."""
     return [
         {
             "model": model,
-            "prompt": f"request {i}: " + " ".join(["hybrid kv cache blocks move"] * words),
+            "prompt": f"{tag}request {i}: " + " ".join(["hybrid kv cache blocks move"] * words),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -107,9 +112,14 @@ def measure(
         samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
         # One request at a time gives one sample per round: take more rounds there, the P/D
         # path's latency is heavy-tailed (stalls of hundreds of ms) on a shared 2-core box.
+        # Every (round, way) gets prompts of its own: with shared ones, client_legs found the
+        # router's prefill cached on the prefill engine and colocated found the KV P/D had
+        # moved on the decode engine. The order of the ways rotates round by round.
         for r in range(rounds * SINGLE_REQUEST_ROUNDS if c == 1 else rounds):
-            for way in WAYS:
-                bodies = bodies_for(model, c, max_tokens, words=8 + r)
+            shift = r % len(WAYS)
+            for way in WAYS[shift:] + WAYS[:shift]:
+                tag = f"c{c} r{r} w{WAYS.index(way)} "
+                bodies = bodies_for(model, c, max_tokens, words=8 + r, tag=tag)
                 samples[way] += asyncio.run(one_round(way, urls, bodies))
         row: dict[str, Any] = {"concurrency": c}
         for way in WAYS:
@@ -185,11 +195,14 @@ def prompt_scaling(
         tokens = 0
         for r in range(rounds):
             base = bodies_for(model, 1, 4, n)[0]
-            prompts = {way: f"scaling {n} round {r} {way}: {base['prompt']}" for way in ttft}
+            prompts = {
+                way: f"scaling {n} round {r} way {i}: {base['prompt']}"
+                for i, way in enumerate(ttft)
+            }
             tokens = count_tokens(urls["decode"], model, prompts["router"])
             if tokens + 4 > MAX_MODEL_LEN:
                 break
-            for way in ttft:
+            for way in list(ttft) if r % 2 == 0 else list(ttft)[::-1]:
                 body = {**base, "prompt": prompts[way]}
                 if way != "router":
                     ttft[way].append(asyncio.run(one_round(way, urls, [body]))[0][1])
@@ -252,15 +265,18 @@ def set_against_bandwidth(scaling: dict[str, Any], transfer_results: Path) -> di
     bandwidth = statistics.median(rates)
     wire_ms = transfer_ms_at(bandwidth, scaling["kv_bytes_per_1k_tokens"])
     added = scaling["pd_added_ttft_ms_per_1k_tokens"]
+    stderr = scaling.get("pd_added_ttft_ms_per_1k_tokens_stderr", math.nan)
+    # an added slope within two standard errors of zero is not told apart from none: no ratio
+    within_noise = not math.isnan(stderr) and abs(added) < 2 * stderr
+    xfer = scaling["nixl_xfer_ms_per_1k_tokens"]
     return {
         "transfer_bench_nixl_gbs": bandwidth,
         "transfer_ms_per_1k_tokens_at_bench_rate": wire_ms,
-        "pd_added_vs_transfer_at_bench_rate": added / wire_ms if wire_ms > 0 else math.nan,
-        "pd_added_vs_engine_xfer": (
-            added / scaling["nixl_xfer_ms_per_1k_tokens"]
-            if scaling["nixl_xfer_ms_per_1k_tokens"] > 0
-            else math.nan
+        "pd_added_within_noise": within_noise,
+        "pd_added_vs_transfer_at_bench_rate": (
+            added / wire_ms if wire_ms > 0 and not within_noise else math.nan
         ),
+        "pd_added_vs_engine_xfer": added / xfer if xfer > 0 and not within_noise else math.nan,
     }
 
 

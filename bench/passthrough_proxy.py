@@ -31,6 +31,10 @@ async def relay(request: web.Request) -> web.StreamResponse:
         return response
 
 
+async def healthy(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
 def build(upstream: str) -> web.Application:
     app = web.Application()
     app[UPSTREAM] = upstream.rstrip("/")
@@ -44,7 +48,7 @@ def build(upstream: str) -> web.Application:
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
     app.router.add_post("/v1/completions", relay)
-    app.router.add_get("/health", lambda _: web.Response(text="ok"))
+    app.router.add_get("/health", healthy)
     return app
 
 

@@ -34,8 +34,17 @@ def test_the_added_ttft_is_set_against_the_median_rate_and_the_engines_reads(
     assert judged["transfer_ms_per_1k_tokens_at_bench_rate"] == pytest.approx(2.0)
     assert judged["pd_added_vs_transfer_at_bench_rate"] == pytest.approx(3.0)
     assert judged["pd_added_vs_engine_xfer"] == pytest.approx(2.0)
+    assert judged["pd_added_within_noise"] is False  # no standard error given
     scaling["nixl_xfer_ms_per_1k_tokens"] = 0.0  # reads too fast to grow: no ratio, not inf
     assert math.isnan(set_against_bandwidth(scaling, rates)["pd_added_vs_engine_xfer"])
+    scaling["nixl_xfer_ms_per_1k_tokens"] = 3.0
+    scaling["pd_added_ttft_ms_per_1k_tokens_stderr"] = 2.5  # 6 < 2 x 2.5 is false: a ratio
+    assert set_against_bandwidth(scaling, rates)["pd_added_vs_transfer_at_bench_rate"] == 3.0
+    scaling["pd_added_ttft_ms_per_1k_tokens_stderr"] = 3.5  # within two standard errors
+    judged = set_against_bandwidth(scaling, rates)
+    assert judged["pd_added_within_noise"] is True
+    assert math.isnan(judged["pd_added_vs_transfer_at_bench_rate"])
+    assert math.isnan(judged["pd_added_vs_engine_xfer"])
 
 
 def test_without_two_prompt_sizes_or_a_transfer_run_nothing_is_claimed(tmp_path: Path) -> None:
