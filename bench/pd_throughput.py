@@ -1,6 +1,6 @@
 """P/D through our router against its decode engine serving alone, at the same concurrency,
 for two model shapes, side by side in one run: output tokens/s, TTFT and end-to-end latency,
-and each engine's CPU time per output token.
+and where a P/D request's time goes by the engines' own histograms.
 
 Per shape, one stack (a prefill and a decode engine, a core each, HybridNixlConnector, our
 router; :func:`bench.end_to_end.start_stack`); ``vllm bench serve`` (random prompts,
@@ -12,11 +12,12 @@ order that alternates round by round, every run with prompts of its own. The sha
 - ``real_compute``: the goodput benchmark's model, shaped so that its compute per byte of
   KV is a real GQA model's (``bench.goodput.bench_model_spec``).
 
-CPU per output token: the user + system seconds of each engine's processes (API server,
-engine core, worker; the kernel's accounting) and of the router process over a run, less
-what each spent idle over as long (measured before the runs), over the run's output tokens
-with those of ``vllm bench serve``'s readiness and warm-up requests. Prefix caching is off in
-both engines (``ENGINE_ARGS``); each run records the engines' hit shares (0 expected).
+Each run also records the engines' own stage means over it (``bench.goodput.STAGES``: the
+prefill engine's TTFT, the decode engine's queue time, which holds its wait for the KV, its
+first step and TTFT) and the load generator's ITL p50. Not CPU time: vLLM's CPU workers
+spin while they wait for work, so an idle engine shows about a core's worth. Prefix caching
+is off in both engines (``ENGINE_ARGS``); each run records the engines' hit shares (0
+expected).
 Headline: ``pd_vs_decode_alone_tokens_per_s`` per shape at the highest
 concurrency (issue 34's goal: >= 1.0).
 
@@ -28,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from bench.end_to_end import RESULTS, percentile, tiny_stack
 from bench.router_peer import (
@@ -54,8 +54,6 @@ ENGINES = ("prefill", "decode")
 #: alone found up to most of a run's prompts cached (P/D's moved KV included), the prefill
 #: engine fewer. Off, every run computes what it is sent.
 ENGINE_ARGS = ["--no-enable-prefix-caching"]
-#: Seconds of no traffic over which each process's idle CPU rate is taken.
-IDLE_PROBE_S = 5.0
 
 
 def model_spec(shape: str) -> Any:
@@ -65,47 +63,16 @@ def model_spec(shape: str) -> Any:
     return TinyModelSpec() if shape == "tiny" else bench_model_spec()
 
 
-def engine_processes(url: str) -> list[psutil.Process]:
-    """The process listening on ``url``'s port (an engine's API server) and its children."""
-    port = int(url.rsplit(":", 1)[1])
-    for conn in psutil.net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            server = psutil.Process(conn.pid)
-            return [server, *server.children(recursive=True)]
-    raise RuntimeError(f"no process listens on {url}")
-
-
-def cpu_seconds(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
-def idle_cpu_rates(
-    processes: dict[str, list[psutil.Process]], seconds: float = IDLE_PROBE_S
-) -> dict[str, float]:
-    """CPU seconds per second each role's processes spend with no request in flight."""
-    before = {role: cpu_seconds(p) for role, p in processes.items()}
-    time.sleep(seconds)
-    return {role: (cpu_seconds(p) - before[role]) / seconds for role, p in processes.items()}
-
-
 def measure_shape(
     shape: str, concurrency: list[int], rounds: int, per_slot: int, lengths: tuple[int, int]
 ) -> list[dict[str, Any]]:
     """Every (round, concurrency, way) run on one stack of ``shape``."""
+    from bench.goodput import scrape, stage_means_ms
+
     runs: list[dict[str, Any]] = []
     with tiny_stack(spec=model_spec(shape), engine_args=ENGINE_ARGS) as stack:
-        processes = {role: engine_processes(stack.urls[role]) for role in ("prefill", "decode")}
-        processes["router"] = [psutil.Process(stack.router_pid)]
         warm_up(stack.urls["router"], stack.model)
         warm_up(stack.urls["decode"], stack.model)
-        idle = idle_cpu_rates(processes)
         for round_index in range(rounds):
             for c in concurrency:
                 order = list(WAYS) if round_index % 2 == 0 else list(WAYS)[::-1]
@@ -113,20 +80,15 @@ def measure_shape(
                     seed = run_seed(round_index, c, list(WAYS).index(way))
                     url = stack.urls[WAYS[way]]
                     cached = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
-                    before = {role: cpu_seconds(p) for role, p in processes.items()}
-                    started = time.monotonic()
+                    scraped = {role: scrape(stack.urls[role]) for role in ENGINES}
                     result = bench_serve(
                         url, stack.model, c, prompts_for(c, per_slot), stack.work, seed, lengths
                     )
-                    wall = time.monotonic() - started
-                    spent = {
-                        role: cpu_seconds(p) - before[role] - idle[role] * wall
-                        for role, p in processes.items()
+                    stages = {
+                        role: stage_means_ms(scraped[role], scrape(stack.urls[role]))
+                        for role in ENGINES
                     }
                     after = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
-                    # vllm bench serve's readiness request and its c warm-up requests also ran
-                    tokens = result["total_output_tokens"] + (c + 1) * lengths[1]
-                    cpu_ms = {role: max(v, 0.0) * 1e3 / tokens for role, v in spent.items()}
                     runs.append(
                         {
                             "shape": shape,
@@ -136,17 +98,18 @@ def measure_shape(
                             "output_tokens": result["total_output_tokens"],
                             "duration_s": result["duration"],
                             "output_tokens_per_s": result["output_throughput"],
+                            "itl_p50_ms": result["median_itl_ms"],
                             "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
                             "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
-                            "cpu_ms_per_output_token": cpu_ms,
+                            "engine_stage_means_ms": stages,
                             "prefix_cache_hit_share": hit_shares(cached, after),
                         }
                     )
                     print(
                         f"  {shape}, round {round_index + 1}, c={c}, {way}: "
                         f"{result['output_throughput']:.0f} tok/s, TTFT p50 "
-                        f"{result['median_ttft_ms']:.0f} ms, CPU ms/token "
-                        + ", ".join(f"{k} {v:.3f}" for k, v in cpu_ms.items()),
+                        f"{result['median_ttft_ms']:.0f} ms, ITL p50 "
+                        f"{result['median_itl_ms']:.1f} ms, engines {stages}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -177,9 +140,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "ttft_p50_ms": percentile(ttfts, 50),
                     "ttft_p99_ms": percentile(ttfts, 99),
                     "e2el_p50_ms": percentile(e2els, 50),
-                    "cpu_ms_per_output_token": {
-                        role: sum(r["cpu_ms_per_output_token"][role] for r in chosen) / len(chosen)
-                        for role in chosen[0]["cpu_ms_per_output_token"]
+                    "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in chosen),
+                    "engine_stage_means_ms": {
+                        role: {
+                            stage: statistics.fmean(
+                                r["engine_stage_means_ms"][role][stage]
+                                for r in chosen
+                                if stage in r["engine_stage_means_ms"][role]
+                            )
+                            for stage in chosen[0]["engine_stage_means_ms"][role]
+                        }
+                        for role in chosen[0]["engine_stage_means_ms"]
                     },
                 }
             per_round = ratios.setdefault(shape, {}).setdefault(c, [])
@@ -210,18 +181,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
-        "| prefill CPU ms/token | decode CPU ms/token | router CPU ms/token |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ms | prefill engine TTFT ms | decode engine queue ms | decode engine TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, by_c in result["by_shape"].items():
         for c, ways in by_c.items():
             for way, row in ways.items():
-                cpu = row["cpu_ms_per_output_token"]
+                stages = row["engine_stage_means_ms"]
+                prefill_ttft = stages["prefill"].get("ttft", math.nan) if way == "pd" else math.nan
                 lines.append(
                     f"| {shape} | {c} | {way} | {row['output_tokens_per_s']:.0f} | "
                     f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
-                    f"{row['e2el_p50_ms']:.0f} | {cpu['prefill']:.3f} | {cpu['decode']:.3f} | "
-                    f"{cpu.get('router', math.nan):.3f} |"
+                    f"{row['e2el_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | {prefill_ttft:.0f} | "
+                    f"{stages['decode'].get('queue', math.nan):.0f} | "
+                    f"{stages['decode'].get('ttft', math.nan):.0f} |"
                 )
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 """How ``bench.pd_throughput`` pools its runs: per (shape, concurrency, way) output tokens over
-run time, percentiles over every request, CPU per token averaged over runs, the P/D / alone
-ratio round by round, and a headline per shape at the highest concurrency."""
+run time, percentiles over every request, the engines' stage means averaged over runs, the
+P/D / alone ratio round by round, and a headline per shape at the highest concurrency."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def run(
         "output_tokens_per_s": tokens / seconds,
         "ttfts_ms": [10.0 * (round_index + 1), 30.0],
         "e2els_ms": [100.0, 200.0],
-        "cpu_ms_per_output_token": {
-            "prefill": 0.1 * (round_index + 1),
-            "decode": 0.5,
-            "router": 0.05,
+        "itl_p50_ms": 5.0 + round_index,
+        "engine_stage_means_ms": {
+            "prefill": {"ttft": 10.0 * (round_index + 1)},
+            "decode": {"queue": 4.0, "ttft": 8.0},
         },
     }
 
@@ -44,8 +44,8 @@ def test_pooled_figures_round_ratios_and_headline_per_shape() -> None:
     result = summarize(runs)
     tiny = result["by_shape"]["tiny"]["32"]
     assert tiny["pd"]["output_tokens_per_s"] == pytest.approx(700.0)  # 1400 tokens over 2 s
-    assert tiny["pd"]["cpu_ms_per_output_token"]["prefill"] == pytest.approx(0.15)
-    assert tiny["pd"]["cpu_ms_per_output_token"]["router"] == pytest.approx(0.05)
+    assert tiny["pd"]["engine_stage_means_ms"]["prefill"]["ttft"] == pytest.approx(15.0)
+    assert tiny["pd"]["itl_p50_ms"] == pytest.approx(5.5)  # median of the runs' p50s
     assert tiny["pd"]["ttft_p50_ms"] == pytest.approx(25.0)  # over the four requests
     assert result["per_round_pd_vs_alone"]["tiny"]["32"] == pytest.approx([0.6, 0.8])
     assert result["headline"] == {
@@ -54,6 +54,7 @@ def test_pooled_figures_round_ratios_and_headline_per_shape() -> None:
     }
     rendered = table(result)
     assert "| real_compute | 32 | pd | 120 |" in rendered
+    assert "| tiny | 32 | decode_alone | 1000 |" in rendered and "| nan | 4 | 8 |" in rendered
     assert rendered.count("\n") == 2 + 6 - 1  # header, rule, one row per shape/c/way
 
 
