@@ -35,10 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.end_to_end import RESULTS, percentile, tiny_stack
+from bench.end_to_end import RESULTS, tiny_stack
 from bench.router_peer import (
     bench_serve,
     hit_shares,
+    pooled,
     prefix_cache_counts,
     prompts_for,
     refresh_latest,
@@ -132,14 +133,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 ]
                 if not chosen:
                     continue
-                ttfts = [t for r in chosen for t in r["ttfts_ms"]]
-                e2els = [t for r in chosen for t in r["e2els_ms"]]
                 by_c[c][way] = {
-                    "output_tokens_per_s": sum(r["output_tokens"] for r in chosen)
-                    / sum(r["duration_s"] for r in chosen),
-                    "ttft_p50_ms": percentile(ttfts, 50),
-                    "ttft_p99_ms": percentile(ttfts, 99),
-                    "e2el_p50_ms": percentile(e2els, 50),
+                    **pooled(chosen),  # tokens over run time, percentiles over requests
                     "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in chosen),
                     "engine_stage_means_ms": {
                         role: {

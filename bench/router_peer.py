@@ -211,7 +211,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
         "e2el_p50_ms": percentile(e2els, 50),
         "requests": len(ttfts),
     }
-    cpu = [r["router_cpu_s_per_request"] for r in runs if r["router_cpu_s_per_request"]]
+    cpu = [r["router_cpu_s_per_request"] for r in runs if r.get("router_cpu_s_per_request")]
     if cpu:
         row["router_cpu_ms_per_request"] = statistics.median(cpu) * 1e3
     return row

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_hybrid_nixl"
 CATALOG = PACKAGE / "common" / "settings_catalog.py"
-EXTRA_READ = re.compile(r"get_from_extra_config\(\s*(?:\"([a-z_]+)\"|([A-Z][A-Z0-9_]*))")
+# vLLM's reader, or ours for strict booleans (extra_settings.strict_bool(config, KEY, ...))
+EXTRA_READ = re.compile(
+    r"(?:get_from_extra_config\(|strict_bool\([^,()]+,)\s*(?:\"([a-z_]+)\"|([A-Z][A-Z0-9_]*))"
+)
 ENV_USE = re.compile(
     r"(?:os\.environ|\benv)(?:\.get|\.setdefault|\.pop)?\s*[(\[]\s*"
     r"(?:\"([A-Z][A-Z0-9_]+)\"|([A-Z][A-Z0-9_]+)\b)"

@@ -36,6 +36,7 @@ import numpy as np
 from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET
 from vllm_hybrid_nixl.connector import compat
 from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
+from vllm_hybrid_nixl.connector.extra_settings import strict_bool
 from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_cells
 from vllm_hybrid_nixl.protocol.digest_wire import (
     MAX_SPLIT_GROUPS,
@@ -79,13 +80,8 @@ def digest_enabled(kv_transfer_config: Any) -> bool:
     """``kv_digest`` from ``kv_connector_extra_config`` (default true)."""
     if kv_transfer_config is None:
         return False
-    value = kv_transfer_config.get_from_extra_config(DIGEST_KEY, True)
-    if not isinstance(value, bool):
-        raise DigestSettingError(
-            f"kv_connector_extra_config {DIGEST_KEY} is {value!r}; expected true or false "
-            "(true verifies every KV read byte for byte; false turns the check off)"
-        )
-    return value
+    meaning = "true verifies every KV read byte for byte; false turns the check off"
+    return strict_bool(kv_transfer_config, DIGEST_KEY, True, meaning, DigestSettingError)
 
 
 def digest_timeout(kv_transfer_config: Any) -> float:

@@ -19,6 +19,7 @@ import torch
 from vllm_hybrid_nixl.connector import compat, thread_priority
 from vllm_hybrid_nixl.connector.cpu_amx import ask_for_amx_tiles
 from vllm_hybrid_nixl.connector.digest_guard import DigestGuardMixin
+from vllm_hybrid_nixl.connector.extra_settings import strict_bool
 from vllm_hybrid_nixl.connector.kv_cache_facts import (
     describe_cache,
     fingerprint_of,
@@ -187,12 +188,8 @@ def reads_before_forward(kv_transfer_config: Any) -> bool:
     on_cpu = compat.on_cpu_platform()
     if kv_transfer_config is None:
         return on_cpu
-    value = kv_transfer_config.get_from_extra_config(EARLY_READS_KEY, on_cpu)
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"kv_connector_extra_config {EARLY_READS_KEY} is {value!r}; expected true or "
-            "false (true starts a step's KV reads before its forward, false where vLLM does)"
-        )
+    meaning = "true starts a step's KV reads before its forward, false where vLLM does"
+    value = strict_bool(kv_transfer_config, EARLY_READS_KEY, on_cpu, meaning)
     if value and not on_cpu:
         raise ValueError(
             f"kv_connector_extra_config {EARLY_READS_KEY} is true, but this engine does not "
