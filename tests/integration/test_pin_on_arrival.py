@@ -2,7 +2,8 @@
 schedule(): vLLM's real connector (scheduler role, built from the tiny hybrid's real
 VllmConfig) and vLLM's own Request, against a real lease service on 127.0.0.1 (ZeroMQ, the
 real lease table). Without it, the first schedule() asked, skipped the request and read the
-answer a step later: one step per P/D request, ~30 ms at 32 concurrent here."""
+answer a step later: one step per P/D request, ~30 ms at 32 concurrent here. The question
+leaves from the scheduler's own thread (:mod:`vllm_hybrid_nixl.connector.direct_pin`)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ class DecodeSide:
     server: LeaseServer
 
 
-@pytest.fixture(scope="module")
-def decode_side(tiny_hybrid_model: Path) -> Iterator[DecodeSide]:
+def decode_connector(model: Path, extra: dict[str, Any] | None = None) -> Iterator[Any]:
+    """The decode engine's real connector (scheduler role), ``extra`` as its
+    ``kv_connector_extra_config``."""
     engine_args = EngineArgs(
-        model=str(tiny_hybrid_model),
+        model=str(model),
         enforce_eager=True,
         max_model_len=512,
         block_size=64,
@@ -59,12 +61,18 @@ def decode_side(tiny_hybrid_model: Path) -> Iterator[DecodeSide]:
             "kv_connector": "HybridNixlConnector",
             "kv_role": "kv_consumer",
             "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": extra or {},
         },
     )
     with kv_cache_setup(engine_args) as setup:
-        connector = HybridNixlConnector(
+        yield HybridNixlConnector(
             setup.vllm_config, KVConnectorRole.SCHEDULER, setup.kv_cache_config
         )
+
+
+@pytest.fixture(scope="module")
+def decode_side(tiny_hybrid_model: Path) -> Iterator[DecodeSide]:
+    for connector in decode_connector(tiny_hybrid_model):
         table = LeaseTable(lease_s=30.0, pin_s=30.0, forget_after_s=120)
         yield DecodeSide(connector, table, LeaseServer(table, "127.0.0.1"))
 
@@ -102,9 +110,10 @@ def wait_for_state(table: LeaseTable, req_id: str, state: LeaseState) -> None:
 
 
 def wait_for_answer(connector: Any, req_id: str) -> None:
-    """Until the pinner thread has the lease service's answer to ``req_id``'s pin."""
+    """Until the connector has the lease service's answer to ``req_id``'s pin (a pin sent
+    from the scheduler's thread is read when the scheduler looks, as here)."""
     deadline = time.monotonic() + 10.0
-    while not connector._pins[req_id].done():
+    while not connector._pin_granted(req_id) and not connector._pins[req_id].done():
         if time.monotonic() > deadline:
             raise AssertionError(f"{req_id}: no answer to its pin")
         time.sleep(0.005)
@@ -126,6 +135,7 @@ def test_the_pin_is_asked_on_arrival_and_the_first_schedule_loads(decode_side) -
     side.table.hold("prefill-1")
     request = decode_request(side, "decode-1", "prefill-1")
     side.connector.on_new_request(request)
+    assert side.connector._direct_pins.in_flight() == 1  # sent from this thread, no handoff
     # pinned with no schedule() yet: the question left as the request arrived
     wait_for_state(side.table, "prefill-1", LeaseState.PINNED)
     wait_for_answer(side.connector, "decode-1")
@@ -207,3 +217,29 @@ def test_a_prompt_that_is_not_the_prefilled_one_is_never_pinned(decode_side) -> 
     assert "decode-3" not in side.connector._pins
     assert "decode-3" in side.connector._refused_early
     assert side.table.status("prefill-3").state is LeaseState.HELD
+
+
+def test_pins_through_the_background_thread_alone_when_direct_pins_is_off(
+    tiny_hybrid_model: Path,
+) -> None:
+    """``direct_pins: false`` (the A/B switch): the same pin on arrival, asked and answered
+    by the background pinner; the first schedule() loads once it is in."""
+    for connector in decode_connector(tiny_hybrid_model, {"direct_pins": False}):
+        assert connector._direct_pins is None
+        table = LeaseTable(lease_s=30.0, pin_s=30.0, forget_after_s=120)
+        side = DecodeSide(connector, table, LeaseServer(table, "127.0.0.1"))
+        table.hold("prefill-7")
+        request = decode_request(side, "decode-7", "prefill-7")
+        connector.on_new_request(request)
+        connector._pins["decode-7"].result(10)  # settled by the pinner's thread, unasked
+        tokens, load_async = connector.get_num_new_matched_tokens(request, 0)
+        assert tokens is not None and tokens > 0 and load_async
+        assert table.status("prefill-7").state is LeaseState.PINNED
+
+
+def test_a_direct_pins_value_that_is_not_a_boolean_is_refused_by_name(
+    tiny_hybrid_model: Path,
+) -> None:
+    with pytest.raises(ValueError, match="direct_pins is 'no'; expected true or false"):
+        for _ in decode_connector(tiny_hybrid_model, {"direct_pins": "no"}):
+            pass

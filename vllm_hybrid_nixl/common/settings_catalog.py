@@ -45,6 +45,13 @@ EXTRA_CONFIG_KEYS = (
     ),
     Setting("lease_guard", "both engines (default `true`)", "`false` turns the lease guard off"),
     Setting(
+        "direct_pins",
+        "our decode engine (default `true`)",
+        "send a pin from the scheduler's thread as its request arrives and read the answer at "
+        "the next schedule, no thread handoff; `false` sends every pin through a background "
+        "thread",
+    ),
+    Setting(
         "kv_digest",
         "both workers (default `true`)",
         "verify every KV read byte for byte: the prefill serves per-page digests (side-channel "

@@ -6,9 +6,12 @@ service; vLLM frees those blocks only when the table says so (after the decode's
 when the lease or a pin runs out). vLLM's own lease is pushed out of the way.
 
 Decode engine (scheduler, 0.32+): before blocks are allocated for a request's read, its
-lease is pinned on its prefill engine, in the background (:mod:`.lease_background`): vLLM
-is told the request is not ready yet (``None`` matched tokens) until the answer is in, so a
-slow or silent lease service delays only the requests that need it. A refused pin
+lease is pinned on its prefill engine. The question leaves as the request arrives, from the
+scheduler's own thread, and the scheduler reads the answer without waiting
+(:mod:`.direct_pin`); a question that cannot go that way goes through a background thread
+(:mod:`.lease_background`). vLLM is told the request is not ready yet (``None`` matched
+tokens) until the answer is in, so a slow or silent lease service delays only the requests
+that need it. A refused pin
 (released, taken, unknown, restarted, unreachable) is logged with the cause; under
 ``kv_load_failure_policy: recompute`` the request computes its prompt itself, under ``fail``
 the refusal is handed to the worker, which reports the read as a failed KV load. Never is a
@@ -55,6 +58,8 @@ from vllm_hybrid_nixl.connector.digest_guard import (
     digest_enabled,
     digest_port_base,
 )
+from vllm_hybrid_nixl.connector.direct_pin import DirectPins
+from vllm_hybrid_nixl.connector.extra_settings import strict_bool
 from vllm_hybrid_nixl.connector.lease_background import LeasePeers, LeaseRenewer, Pinner
 from vllm_hybrid_nixl.connector.read_holds import (
     HOLDS_ATTRIBUTE,
@@ -78,6 +83,7 @@ LEASE_KEY = "kv_lease_duration"  # vLLM's own key; its default is 30 s
 PIN_KEY = "kv_pin_duration"
 PORT_KEY = "lease_port"
 TIMEOUT_KEY = "lease_check_timeout"
+DIRECT_PINS_KEY = "direct_pins"
 GUARD_KEY = "lease_guard"  # false turns the guard off on this engine (benchmarks, stock peers)
 DEFAULT_LEASE_S = 30.0
 #: After a prefill engine's lease service failed to answer, pins to it are refused at once
@@ -214,6 +220,7 @@ class LeaseHolderMixin:
         self._accepted: dict[str, RemoteKv] = {}  # decode: requests that passed those checks
         self._renewer: LeaseRenewer | None = None
         self._pinner: Pinner | None = None
+        self._direct_pins: DirectPins | None = None  # decode: pins asked on this thread
         self._pins: dict[str, Future[LeaseStatus]] = {}  # decode: pins under way
         self._pinned: set[str] = set()  # decode: pins that succeeded
         self._refused_reads: dict[str, str] = {}  # decode: refused pins -> their messages
@@ -239,6 +246,10 @@ class LeaseHolderMixin:
         peers = LeasePeers()
         self._renewer = LeaseRenewer(peers, self._lease_timeout_s)
         self._pinner = Pinner(peers, self._lease_timeout_s)
+        if strict_bool(
+            config, DIRECT_PINS_KEY, True, "false sends every pin through a background thread"
+        ):
+            self._direct_pins = DirectPins(self._lease_timeout_s, self._pinner.submit)
         if config.is_kv_producer:
             self._start_lease_service(config)
             if self._lease_digests and digest_enabled(config) and compat.digest_hooks_available():
@@ -386,6 +397,8 @@ class LeaseHolderMixin:
     def _pin_granted(self, req_id: str) -> bool:
         """Whether the request's pin is answered and granted, its answer not yet read by
         its first schedule()."""
+        if self._direct_pins is not None:
+            self._direct_pins.collect()
         future = self._pins.get(req_id)
         return future is not None and future.done() and _pin_answer(future).readable
 
@@ -457,6 +470,8 @@ class LeaseHolderMixin:
         remote = self._accepted.get(req_id)
         if remote is None or remote.address is None:
             return False
+        if self._direct_pins is not None:
+            self._direct_pins.collect()
         future = self._pins.get(req_id)
         if future is None:
             self._ask_pin(req_id, remote)
@@ -483,12 +498,18 @@ class LeaseHolderMixin:
         return False
 
     def _ask_pin(self, req_id: str, remote: RemoteKv) -> None:
-        """Send the request's pin question to its prefill's lease service (background)."""
+        """Send the request's pin question to its prefill's lease service: from this
+        (scheduler) thread when the endpoint's direct socket is free, else in the
+        background."""
         assert self._pinner is not None and remote.address is not None  # checked by callers
         self._pin_sent[req_id] = time.monotonic()  # before the question: a lower bound
-        self._pins[req_id] = self._pinner.submit(
-            remote.address, remote.remote_req, self._reader(req_id)
-        )
+        reader = self._reader(req_id)
+        future = None
+        if self._direct_pins is not None:
+            future = self._direct_pins.ask(remote.address, remote.remote_req, reader)
+        if future is None:
+            future = self._pinner.submit(remote.address, remote.remote_req, reader)
+        self._pins[req_id] = future
 
     def _lease_of(self, request: Any) -> RemoteKv | None:
         """Where a request's KV is to come from; None when it comes from no prefill engine,

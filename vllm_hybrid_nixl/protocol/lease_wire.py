@@ -208,9 +208,7 @@ class LeaseClient:
         """As :func:`ask` (``address`` must be at this client's endpoint), over this
         client's connection."""
         reqs = list(req_ids)
-        message: dict[str, object] = {"op": op, "epoch": address.epoch, "reqs": reqs}
-        if readers:
-            message["readers"] = readers
+        message = question(address, op, reqs, readers)
         where = f"the prefill engine's lease service at {self.endpoint}"
         timeout_s = max(float(timeout_s), 0.001)
         with self._lock:
@@ -219,7 +217,7 @@ class LeaseClient:
                     self._socket = zmq.Context.instance().socket(zmq.REQ)
                     self._socket.setsockopt(zmq.LINGER, 0)
                     self._socket.connect(self.endpoint)
-                self._socket.send(json.dumps(message).encode())
+                self._socket.send(message)
                 if not self._socket.poll(int(timeout_s * 1000)):
                     self._close()
                     raise LeaseUnreachable(f"no answer from {where} within {timeout_s:g} s")
@@ -237,6 +235,16 @@ class LeaseClient:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def question(
+    address: LeaseAddress, op: str, reqs: list[str], readers: dict[str, str] | None = None
+) -> bytes:
+    """One lease question on the wire: ``op`` on ``reqs`` (pins name their ``readers``)."""
+    message: dict[str, object] = {"op": op, "epoch": address.epoch, "reqs": reqs}
+    if readers:
+        message["readers"] = readers
+    return json.dumps(message).encode()
 
 
 def ask(
