@@ -23,6 +23,7 @@ import httpx
 import pytest
 import zmq
 
+from bench.kv_timeline import requests_in, stage_times, summarize
 from tests.e2e.pd_fixture import (
     COMMON_ARGS,
     PdPair,
@@ -32,6 +33,7 @@ from tests.e2e.pd_fixture import (
 )
 from tests.unit.test_digest_wire import raw_ask
 from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET, LEASE_PORT_OFFSET
+from vllm_hybrid_nixl.connector.kv_timeline import ENV as KV_TIMELINE_ENV
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
 from vllm_hybrid_nixl.deploy.pd_client import disaggregated_completion, prefill_body
 from vllm_hybrid_nixl.protocol.digest_wire import endpoint_of
@@ -42,7 +44,7 @@ from vllm_hybrid_nixl.router.settings import RouterSettings
 pytestmark = pytest.mark.e2e
 
 LEASE_S = 2
-PIN_TIMEOUT_S = 8  # the decode engine's lease_check_timeout (a pin tries 3 times)
+PIN_TIMEOUT_S = 8  # the decode engine's lease_check_timeout (a pin tries 4 times)
 A = "The harbour master counted ships at dawn and wrote each name in the ledger. " * 3
 B = "A gull circled the old lighthouse while the keeper mended nets by the door. " * 3
 # Two blocks (128 tokens) longer than A: the decode engine died on it with A's parameters.
@@ -54,24 +56,28 @@ BINDING_REFUSAL = "prefilled another prompt"
 class Stack:
     pair: PdPair
     router_url: str
+    timeline: Path  # where the decode engine records each request's KV path
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_hybrid_model: Path, tmp_path_factory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("integrity-logs")
+    timeline = logs / "kv-timeline.jsonl"
     pairs = start_pair(
         tiny_hybrid_model,
-        tmp_path_factory.mktemp("integrity-logs"),
+        logs,
         prefill={"kv_extra_config": {"kv_lease_duration": LEASE_S}},
         decode={
             "extra_args": [*COMMON_ARGS, "--max-num-seqs", "1"],
             "kv_extra_config": {"lease_check_timeout": PIN_TIMEOUT_S},
+            "env": {KV_TIMELINE_ENV: str(timeline)},
         },
     )
     pair = next(pairs)
     pool = BackendPool.from_urls([pair.prefill.spec.url], [pair.decode.spec.url])
     try:
         with running_router(pool) as router_url:
-            yield Stack(pair, router_url)
+            yield Stack(pair, router_url, timeline)
     finally:
         pairs.close()
 
@@ -474,7 +480,7 @@ class Blackhole:
 
 def test_a_silent_lease_service_delays_only_the_requests_that_need_it(stack: Stack) -> None:
     """A decode leg whose prefill's lease service never answers waits for its pin (up to the
-    decode engine's lease_check_timeout, 8 s here, 3 tries) in the background; meanwhile another P/D
+    decode engine's lease_check_timeout, 8 s here, 4 tries) off the step; meanwhile another P/D
     request on the same decode engine is answered. Ordering, not timing: with pins inside the
     engine's step, the engine would stand still until the silent pin timed out, so the other
     request could not finish first. The silent one then fails loudly."""
@@ -635,4 +641,37 @@ def test_a_chat_body_cannot_look_short_through_a_prompt_field(stack: Stack) -> N
         assert metric_sum(url, "router_leg_requests_total", leg="prefill") == 1
     got = answer.json()["choices"][0]["message"]["content"]
     assert got == expected.json()["choices"][0]["message"]["content"]
+    assert_alive(stack)
+
+
+KV_PATH = (
+    "arrive",
+    "first_schedule",
+    "ready",
+    "alloc",
+    "read_posted",
+    "read_done",
+    "read_reported",
+    "recv_seen",
+    "scheduled",
+)
+
+
+def test_the_decode_engine_records_each_stage_of_a_requests_kv_path(stack: Stack) -> None:
+    """``VLLM_HYBRID_NIXL_KV_TIMELINE``: the decode engine's scheduler and worker (two
+    processes) record a P/D request's KV path, every stage in order, and
+    ``bench.kv_timeline`` reads it into stage times."""
+    seen = len(stack.timeline.read_text().splitlines()) if stack.timeline.exists() else 0
+    answer = httpx.post(
+        f"{stack.router_url}/v1/completions", json=body(stack.pair.model, A), timeout=300
+    )
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone(stack, A)
+    requests = requests_in(stack.timeline.read_text().splitlines()[seen:])
+    complete = [times for times in requests.values() if set(KV_PATH) <= times.keys()]
+    assert len(complete) == 1, requests  # this request, every stage recorded
+    times = [complete[0][event] for event in KV_PATH]
+    assert times == sorted(times), dict(zip(KV_PATH, times, strict=True))
+    assert all(value >= 0 for values in stage_times(requests).values() for value in values)
+    summary = summarize(requests)
+    assert summary["complete"] == 1 and summary["stages_ms"]["total"]["p50"] > 0
     assert_alive(stack)

@@ -43,7 +43,7 @@ def test_a_pin_leaves_at_once_and_its_answer_waits_for_the_scheduler(service) ->
     server, table = service
     table.hold("a")
     peers = LeasePeers()
-    pins = DirectPins(2.0, Pinner(peers, 2.0).submit)
+    pins = DirectPins(60.0, Pinner(peers, 60.0).submit)  # never handed over, however slow
     future = pins.ask(server.address, "a", "decode/1")
     assert future is not None
     deadline = time.monotonic() + 10.0
@@ -66,22 +66,59 @@ def test_a_second_reader_of_the_same_lease_is_refused(service) -> None:
     assert second is not None and settled(pins, second).state is LeaseState.TAKEN
 
 
-def test_one_question_in_flight_per_endpoint_the_next_goes_to_the_background(service) -> None:
-    server, table = service
-    table.hold("c")
-    table.hold("d")
-    pinner = Pinner(LeasePeers(), 2.0)
-    pins = DirectPins(2.0, pinner.submit)
-    first = pins.ask(server.address, "c", "decode/1")
-    assert first is not None and pins.in_flight() == 1
-    busy = pins.ask(server.address, "d", "decode/2")
-    if busy is None:  # the first answer was not in yet: the caller pins in the background
-        background = pinner.submit(server.address, "d", "decode/2")
-        assert background.result(10).state is LeaseState.PINNED
-    else:  # the first answer was already in, collected by ask(): the socket was free
-        assert first.done() and settled(pins, busy).state is LeaseState.PINNED
-    assert settled(pins, first).state is LeaseState.PINNED
-    assert pins.in_flight() == 0
+def test_one_question_in_flight_per_endpoint() -> None:
+    """A second pin to an endpoint whose question is unanswered is not sent (the caller
+    pins it in the background); other endpoints are not held up."""
+    silent = [zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2)]
+    try:
+        ports = [socket.bind_to_random_port("tcp://127.0.0.1") for socket in silent]
+        first, other = (LeaseAddress("127.0.0.1", port, EPOCH) for port in ports)
+        pins = DirectPins(60.0, Pinner(LeasePeers(), 60.0).submit)
+        assert pins.ask(first, "c", "decode/1") is not None
+        assert pins.ask(first, "d", "decode/2") is None
+        assert pins.ask(other, "e", "decode/3") is not None
+        assert pins.in_flight() == 2
+    finally:
+        for socket in silent:
+            socket.close(linger=0)
+
+
+def test_a_question_whose_request_has_gone_is_not_asked_again() -> None:
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        address = LeaseAddress("127.0.0.1", port, EPOCH)
+        peers = LeasePeers()
+        pins = DirectPins(0.1, Pinner(peers, 0.1).submit)
+        future = pins.ask(address, "x", "decode/1")
+        pins.abandon(future)
+        status = settled(pins, future)
+        assert status.state is LeaseState.UNKNOWN and "request gone" in status.reason
+        assert not peers._peers  # the background pinner never asked
+    finally:
+        silent.close()
+
+
+def test_a_background_pin_that_fails_oddly_still_answers() -> None:
+    """The fallback's future ends with an exception: the request gets a refusal, not a wait
+    without end."""
+
+    def broken(address: LeaseAddress, remote_req: str, reader: str) -> Future[LeaseStatus]:
+        future: Future[LeaseStatus] = Future()
+        future.set_exception(RuntimeError("pinner broke"))
+        return future
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        pins = DirectPins(0.1, broken)
+        future = pins.ask(LeaseAddress("127.0.0.1", port, EPOCH), "x", "decode/1")
+        status = settled(pins, future)
+        assert status.state is LeaseState.UNKNOWN and "pinner broke" in status.reason
+    finally:
+        silent.close()
 
 
 def test_a_silent_service_is_retried_in_the_background_and_refused_by_name() -> None:
@@ -94,8 +131,9 @@ def test_a_silent_service_is_retried_in_the_background_and_refused_by_name() -> 
         future = pins.ask(address, "x", "decode/1")
         assert future is not None
         status = settled(pins, future)
-        assert status.state is LeaseState.UNKNOWN and "no answer" in status.reason
-        assert "3 tries" in status.reason  # the background pinner's retries, after ours
+        assert status.state is LeaseState.UNKNOWN
+        assert "scheduler's thread: no answer within 0.1 s" in status.reason  # our try
+        assert "3 tries" in status.reason  # then the background pinner's
         assert pins.in_flight() == 0 and pins.ask(address, "y", "decode/2") is not None
     finally:
         silent.close()
@@ -104,17 +142,24 @@ def test_a_silent_service_is_retried_in_the_background_and_refused_by_name() -> 
 @pytest.mark.parametrize(
     ("reply", "words"),
     [
-        (b"not json", "not JSON"),
-        (b"[]", "not an object"),
-        (b'{"epoch": "0123456789abcdef", "error": "no"}', "no"),
-        (b'{"epoch": "0123456789abcdef", "leases": {"x": {"state": "stolen"}}}', ""),
+        (b"not json", "answered something that is not JSON"),
+        (b"[]", "answered a list, not an object"),
+        (b'{"epoch": "0123456789abcdef", "error": "no"}', "refused the question: no"),
+        (
+            b'{"epoch": "0123456789abcdef", "leases": {"x": {"state": "stolen"}}}',
+            "answered an unusable lease state",
+        ),
+        (b"x" * 100_000, "no answer within"),  # over the size cap: dropped, never parsed
     ],
 )
 def test_an_answer_that_is_not_the_protocol_is_a_refusal(reply: bytes, words: str) -> None:
     impostor = Impostor(reply)
-    pins = DirectPins(2.0, Pinner(LeasePeers(), 2.0).submit)
+    peers = LeasePeers()
+    pins = DirectPins(1.0, Pinner(peers, 1.0).submit)
     future = pins.ask(LeaseAddress("127.0.0.1", impostor.port, EPOCH), "x", "decode/1")
     assert future is not None
     status = settled(pins, future)
     assert status.state is LeaseState.UNKNOWN and not status.readable
     assert words in status.reason
+    if "no answer" not in words:
+        assert not peers._peers  # refused on its answer, not asked again in the background

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from vllm_hybrid_nixl.connector.launcher import install_cpu_version_alias
 
@@ -77,7 +78,9 @@ def decode_side(tiny_hybrid_model: Path) -> Iterator[DecodeSide]:
         yield DecodeSide(connector, table, LeaseServer(table, "127.0.0.1"))
 
 
-def decode_request(side: DecodeSide, req_id: str, remote_req: str) -> Request:
+def decode_request(
+    side: DecodeSide, req_id: str, remote_req: str, lease_port: int | None = None
+) -> Request:
     """A decode leg as vLLM's API server hands it to the engine core: the prefill's
     ``kv_transfer_params`` (with our lease value) on the sampling parameters."""
     params = {
@@ -91,6 +94,7 @@ def decode_request(side: DecodeSide, req_id: str, remote_req: str) -> Request:
         "tp_size": 1,
         PARAMS_KEY: {
             **side.server.address.to_params(),
+            **({"port": lease_port} if lease_port else {}),
             "lease_s": side.table.lease_s,
             "pin_s": side.table.pin_s,
             "prompt_tokens": len(PROMPT),
@@ -110,13 +114,18 @@ def wait_for_state(table: LeaseTable, req_id: str, state: LeaseState) -> None:
 
 
 def wait_for_answer(connector: Any, req_id: str) -> None:
-    """Until the connector has the lease service's answer to ``req_id``'s pin (a pin sent
-    from the scheduler's thread is read when the scheduler looks, as here)."""
-    deadline = time.monotonic() + 10.0
-    while not connector._pin_granted(req_id) and not connector._pins[req_id].done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{req_id}: no answer to its pin")
-        time.sleep(0.005)
+    """Until the lease service's answer to ``req_id``'s pin is back, unread: on the socket of
+    the scheduler's thread (the next ``schedule()`` reads it) or, for a pin asked in the
+    background, in its future."""
+    future = connector._pins[req_id]
+    direct = connector._direct_pins
+    sockets = [
+        direct._sockets[a.address.endpoint] for a in direct._asked.values() if a.future is future
+    ]
+    if sockets:
+        assert sockets[0].poll(10_000, zmq.POLLIN), f"{req_id}: no answer to its pin"
+    else:
+        future.result(10)
 
 
 def schedule_until_answered(connector: Any, request: Request) -> list[tuple]:
@@ -243,3 +252,46 @@ def test_a_direct_pins_value_that_is_not_a_boolean_is_refused_by_name(
     with pytest.raises(ValueError, match="direct_pins is 'no'; expected true or false"):
         for _ in decode_connector(tiny_hybrid_model, {"direct_pins": "no"}):
             pass
+
+
+def test_two_arrivals_for_one_prefill_are_both_pinned_and_read(decode_side) -> None:
+    """The scheduler's thread has one question in flight per prefill engine; a request that
+    arrives meanwhile is pinned in the background, and both load."""
+    side = decode_side
+    side.table.hold("prefill-8")
+    side.table.hold("prefill-9")
+    first = decode_request(side, "decode-8", "prefill-8")
+    second = decode_request(side, "decode-9", "prefill-9")
+    side.connector.on_new_request(first)
+    side.connector.on_new_request(second)
+    for request in (first, second):
+        tokens, load_async = schedule_until_answered(side.connector, request)[-1]
+        assert tokens is not None and tokens > 0 and load_async, request.request_id
+    assert side.table.status("prefill-8").state is LeaseState.PINNED
+    assert side.table.status("prefill-9").state is LeaseState.PINNED
+
+
+def test_a_request_aborted_while_its_pin_is_unanswered_is_not_pinned_again(
+    decode_side,
+) -> None:
+    """Its question to a silent lease service times out (lease_check_timeout, 2 s) and is
+    dropped, not handed to the background pinner to pin blocks no one will read."""
+    side = decode_side
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes questions, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        request = decode_request(side, "decode-10", "prefill-10", lease_port=port)
+        side.connector.on_new_request(request)
+        assert side.connector._direct_pins.in_flight() == 1
+        request.status = RequestStatus.FINISHED_ABORTED
+        side.connector.request_finished_all_groups(request, ([], []))
+        deadline = time.monotonic() + 30.0
+        while side.connector._direct_pins.in_flight():
+            assert time.monotonic() < deadline, "the question never timed out"
+            time.sleep(0.05)
+            side.connector._direct_pins.collect()  # as each schedule() does
+        endpoint = f"tcp://127.0.0.1:{port}"
+        assert endpoint not in side.connector._pinner._peers._peers  # never asked again
+    finally:
+        silent.close()

@@ -41,7 +41,8 @@ EXTRA_CONFIG_KEYS = (
     Setting(
         "lease_check_timeout",
         "our decode engine (default 2)",
-        "seconds to wait for a prefill engine's answer to a pin",
+        "seconds to wait for a prefill engine's answer to a pin, per try (a silent service "
+        "is refused after four: one from the scheduler's thread, three in the background)",
     ),
     Setting("lease_guard", "both engines (default `true`)", "`false` turns the lease guard off"),
     Setting(
@@ -122,6 +123,12 @@ ENVIRONMENT = (
         "idle engine connections outlast the router's pool",
     ),
     Setting("HF_HUB_OFFLINE", "set to 1 by the demo", "no model downloads"),
+    Setting(
+        "VLLM_HYBRID_NIXL_KV_TIMELINE",
+        "decode engine (read; unset by default)",
+        "a file path: the decode engine appends a JSON line per step of each request's KV "
+        "path (pin, schedule, read, digest, report); `python -m bench.kv_timeline` reads it",
+    ),
     Setting(
         "CXX",
         "read by the container image's entry point (default g++)",

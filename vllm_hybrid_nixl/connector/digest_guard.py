@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from vllm_hybrid_nixl.common.netutil import DIGEST_PORT_OFFSET
-from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector import compat, kv_timeline
 from vllm_hybrid_nixl.connector.digest_metrics import stats_classes
 from vllm_hybrid_nixl.connector.extra_settings import strict_bool
 from vllm_hybrid_nixl.connector.kv_digest import CellPlan, PageDigester, plan_cells
@@ -478,6 +478,7 @@ class DigestGuardMixin:
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()  # type: ignore[misc]
+        kv_timeline.record_all("read_done", results.finished_recving)
         if not self._digest_on:
             return results
         if results.finished_sending:

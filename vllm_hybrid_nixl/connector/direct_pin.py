@@ -10,9 +10,11 @@ itself (a non-blocking ZeroMQ send) and reads the answer without waiting when it
 
 Each lease endpoint has one REQ socket with at most one question in flight; a pin asked while
 it is busy returns None (the caller uses the background pinner). A question unanswered after
-``timeout_s`` closes its socket and is handed to the background pinner, which tries again
-(its retries, its refusal naming the cause). An answer that is not the protocol's is a
-refusal naming why, never an exception. Not thread-safe: only the scheduler thread calls it.
+``timeout_s`` closes its socket and is handed to the background pinner, which asks again (its
+own tries, so a silent service is refused after one try here and the pinner's); a question
+whose request has gone (:meth:`DirectPins.abandon`) is not. An answer that is not the
+protocol's is a refusal naming why, never an exception. Not thread-safe: only the scheduler
+thread calls it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -35,6 +37,9 @@ from vllm_hybrid_nixl.protocol.lease_wire import (
 
 #: Lease endpoints with a socket kept at once (least recently used closed beyond this).
 MAX_ENDPOINTS = 64
+#: Largest answer taken (an answer about one pin is ~200 bytes; the endpoint comes from the
+#: request's parameters, so a larger one is dropped by ZeroMQ, not parsed on this thread).
+MAX_ANSWER_BYTES = 64 * 1024
 
 #: ``fallback(address, remote_req, reader)``: the background pinner's future for a pin.
 Fallback = Callable[[LeaseAddress, str, str], "Future[LeaseStatus]"]
@@ -47,6 +52,7 @@ class _Asked:
     reader: str
     sent: float
     future: Future[LeaseStatus] = field(default_factory=Future)
+    abandoned: bool = False  # its request is gone: no one waits for the answer
 
 
 class DirectPins:
@@ -70,7 +76,7 @@ class DirectPins:
         try:
             socket = self._socket(endpoint)
             socket.send(question(address, "pin", [remote_req], {remote_req: reader}), zmq.NOBLOCK)
-        except zmq.Again:  # not connected yet: the socket stays, ready to send next time
+        except zmq.Again:  # ZeroMQ cannot queue it now: the socket stays, ready to send
             return None
         except zmq.ZMQError:
             self._close(endpoint)
@@ -78,6 +84,13 @@ class DirectPins:
         asked = _Asked(address, remote_req, reader, time.monotonic())
         self._asked[endpoint] = asked
         return asked.future
+
+    def abandon(self, future: Future[LeaseStatus] | None) -> None:
+        """``future``'s request has gone: its question, if still in flight, is not asked
+        again when its time runs out (its answer, if one comes, is dropped)."""
+        for asked in self._asked.values():
+            if asked.future is future:
+                asked.abandoned = True
 
     def in_flight(self) -> int:
         """Questions sent and not yet settled."""
@@ -101,7 +114,7 @@ class DirectPins:
                 del self._asked[endpoint]
                 asked.future.set_result(self._status(raw, asked, endpoint))
             elif now - asked.sent > self._timeout_s:
-                self._hand_over(endpoint, "no answer in time")
+                self._hand_over(endpoint, f"no answer within {self._timeout_s:g} s")
 
     def _status(self, raw: bytes, asked: _Asked, endpoint: str) -> LeaseStatus:
         where = f"the prefill engine's lease service at {endpoint}"
@@ -118,19 +131,38 @@ class DirectPins:
         which cannot send again before it receives, is closed."""
         asked = self._asked.pop(endpoint)
         self._close(endpoint)
+        first = f"asked from the scheduler's thread: {why}"
+        if asked.abandoned:
+            asked.future.set_result(LeaseStatus(LeaseState.UNKNOWN, f"{first}; request gone"))
+            return
         try:
             later = self._fallback(asked.address, asked.remote_req, asked.reader)
         except Exception as exc:  # noqa: BLE001 - a pin that cannot be asked is refused
-            asked.future.set_result(LeaseStatus(LeaseState.UNKNOWN, f"{why}; {exc!r:.200}"))
+            asked.future.set_result(LeaseStatus(LeaseState.UNKNOWN, f"{first}; {exc!r:.200}"))
             return
-        later.add_done_callback(lambda done: asked.future.set_result(done.result()))
+
+        def settle(done: Future[LeaseStatus]) -> None:
+            try:
+                status = done.result()
+            except BaseException as exc:  # noqa: BLE001 - the request must not wait forever
+                status = LeaseStatus(LeaseState.UNKNOWN, f"the pin failed: {exc!r:.200}")
+            if status.state is LeaseState.UNKNOWN and status.reason:  # say both tries
+                status = replace(status, reason=f"{first}; then {status.reason}")
+            asked.future.set_result(status)
+
+        later.add_done_callback(settle)
 
     def _socket(self, endpoint: str) -> zmq.Socket:
         socket = self._sockets.get(endpoint)
         if socket is None:
             socket = zmq.Context.instance().socket(zmq.REQ)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(endpoint)
+            try:
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
+                socket.connect(endpoint)
+            except zmq.ZMQError:
+                socket.close()
+                raise
             self._sockets[endpoint] = socket
             while len(self._sockets) > MAX_ENDPOINTS:
                 oldest = next(iter(self._sockets))

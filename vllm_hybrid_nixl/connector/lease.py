@@ -51,7 +51,7 @@ from typing import Any
 import zmq
 
 from vllm_hybrid_nixl.common.netutil import LEASE_PORT_OFFSET
-from vllm_hybrid_nixl.connector import compat
+from vllm_hybrid_nixl.connector import compat, kv_timeline
 from vllm_hybrid_nixl.connector.digest_guard import (
     EXPECT_ATTRIBUTE,
     SOURCES_ATTRIBUTE,
@@ -228,6 +228,7 @@ class LeaseHolderMixin:
         self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
         self._early_pins: set[str] = set()  # decode: pins asked as the request arrived
         self._reading: set[str] = set()  # decode: pinned requests whose read has started
+        self._timeline_received: set[str] = set()  # decode: read, not yet computed (timeline)
         self._digest_port: int | None = None  # prefill: where its workers serve KV digests
         self._digest_sources: dict[str, Any] = {}  # prefill: blocks to digest next step
         if getattr(self, "connector_scheduler", None) is None:
@@ -344,6 +345,9 @@ class LeaseHolderMixin:
         return delay, self._with_lease(request, delay, params)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if kv_timeline.enabled() and connector_output.finished_recving:
+            kv_timeline.record_all("recv_seen", connector_output.finished_recving)
+            self._timeline_received.update(connector_output.finished_recving)
         if self._renewer is not None:
             for req_id in connector_output.finished_recving or ():
                 self._renewer.drop(req_id)  # read (or failed): the lease is no longer wanted
@@ -369,6 +373,8 @@ class LeaseHolderMixin:
     # ---- decode engine -------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        if kv_timeline.enabled() and _loads_remote_kv(request):
+            kv_timeline.record("arrive", request.request_id)
         parent = getattr(super(), "on_new_request", None)
         if parent is not None:
             parent(request)
@@ -421,12 +427,15 @@ class LeaseHolderMixin:
         self._early_pins.discard(req_id)
         self._refused_early.discard(req_id)
         self._accepted.pop(req_id, None)
-        self._pins.pop(req_id, None)
+        pin = self._pins.pop(req_id, None)
+        if self._direct_pins is not None:
+            self._direct_pins.abandon(pin)  # not asked again for a request that is gone
         self._pinned.discard(req_id)
         self._refused_reads.pop(req_id, None)
         self._pin_sent.pop(req_id, None)
         self._pin_holds.pop(req_id, None)
         self._reading.discard(req_id)
+        self._timeline_received.discard(req_id)
         if self._renewer is not None:
             self._renewer.drop(req_id)
         for key in [k for k, owner in self._claims.items() if owner == req_id]:
@@ -444,15 +453,19 @@ class LeaseHolderMixin:
                     return self._compute_locally(request)  # vLLM would load nothing anyway
                 pending = self._pin_in_background(request)
                 if pending:
+                    kv_timeline.record("schedule", request.request_id, ready=False)
                     return None, False  # asked again next step; other requests go on
                 self._lost_lease(request.request_id)
                 refusal = self._refused_reads.get(request.request_id)
                 if refusal is not None and self._lease_policy == "recompute":
                     self._refused_reads.pop(request.request_id)
                     return self._compute_locally(request)
-        return super().get_num_new_matched_tokens(  # type: ignore[misc]
+        matched = super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )
+        if kv_timeline.enabled() and _loads_remote_kv(request):
+            kv_timeline.record("schedule", request.request_id, ready=True)
+        return matched
 
     def _compute_locally(self, request: Any) -> tuple[int, bool]:
         """Nothing to load: the decode engine computes the prompt itself."""
@@ -507,9 +520,11 @@ class LeaseHolderMixin:
         future = None
         if self._direct_pins is not None:
             future = self._direct_pins.ask(remote.address, remote.remote_req, reader)
+        direct = future is not None
         if future is None:
             future = self._pinner.submit(remote.address, remote.remote_req, reader)
         self._pins[req_id] = future
+        kv_timeline.record("pin_asked", req_id, direct=direct)
 
     def _lease_of(self, request: Any) -> RemoteKv | None:
         """Where a request's KV is to come from; None when it comes from no prefill engine,
@@ -640,6 +655,8 @@ class LeaseHolderMixin:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         req_id = request.request_id
+        if num_external_tokens:
+            kv_timeline.record("alloc", req_id, tokens=num_external_tokens)
         if self._renewer is not None and num_external_tokens == 0:
             self._renewer.drop(req_id)  # nothing to read: nothing to keep
         if self._lease_guard and compat.transfer_results_api():
@@ -686,6 +703,11 @@ class LeaseHolderMixin:
         if expired:
             setattr(metadata, EXPIRED_ATTRIBUTE, expired)
         self._digest_metadata(metadata)
+        if self._timeline_received:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            for req_id in [r for r in self._timeline_received if r in scheduled]:
+                kv_timeline.record("scheduled", req_id, tokens=scheduled[req_id])
+                self._timeline_received.discard(req_id)
         return metadata
 
     def _digest_metadata(self, metadata: Any) -> None:
@@ -800,6 +822,11 @@ class LeaseReaderMixin:
             sending = set(sending) | self._lease_expired
             self._lease_expired = set()
         return sending, recving
+
+
+def _loads_remote_kv(request: Any) -> bool:
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
 
 
 def _seconds(value: object) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_hybrid_nixl.connector import compat, thread_priority
+from vllm_hybrid_nixl.connector import compat, kv_timeline, thread_priority
 from vllm_hybrid_nixl.connector.cpu_amx import ask_for_amx_tiles
 from vllm_hybrid_nixl.connector.digest_guard import DigestGuardMixin
 from vllm_hybrid_nixl.connector.extra_settings import strict_bool
@@ -579,6 +579,16 @@ class HybridNixlPullWorker(
 ):
     """Pull-mode (READ) NIXL worker with the HMA-aware registration, the lease guard and
     the end-to-end KV digest."""
+
+    def start_load_kv(self, metadata: Any) -> Any:
+        if kv_timeline.enabled():
+            kv_timeline.record_all("read_posted", getattr(metadata, "reqs_to_recv", None))
+        return super().start_load_kv(metadata)
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        kv_timeline.record_all("read_reported", results.finished_recving)
+        return results
 
 
 class HybridNixlPushWorker(LeaseReaderMixin, HybridRegistrationMixin, _NIXL.push_worker):
