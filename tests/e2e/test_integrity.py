@@ -44,7 +44,7 @@ from vllm_hybrid_nixl.router.settings import RouterSettings
 pytestmark = pytest.mark.e2e
 
 LEASE_S = 2
-PIN_TIMEOUT_S = 8  # the decode engine's lease_check_timeout (a pin tries 4 times)
+PIN_TIMEOUT_S = 8  # the decode engine's lease_check_timeout (a pin tries 3 times)
 A = "The harbour master counted ships at dawn and wrote each name in the ledger. " * 3
 B = "A gull circled the old lighthouse while the keeper mended nets by the door. " * 3
 # Two blocks (128 tokens) longer than A: the decode engine died on it with A's parameters.
@@ -480,7 +480,7 @@ class Blackhole:
 
 def test_a_silent_lease_service_delays_only_the_requests_that_need_it(stack: Stack) -> None:
     """A decode leg whose prefill's lease service never answers waits for its pin (up to the
-    decode engine's lease_check_timeout, 8 s here, 4 tries) off the step; meanwhile another P/D
+    decode engine's lease_check_timeout, 8 s here, 3 tries) off the step; meanwhile another P/D
     request on the same decode engine is answered. Ordering, not timing: with pins inside the
     engine's step, the engine would stand still until the silent pin timed out, so the other
     request could not finish first. The silent one then fails loudly."""

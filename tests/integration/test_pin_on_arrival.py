@@ -73,7 +73,9 @@ def decode_connector(model: Path, extra: dict[str, Any] | None = None) -> Iterat
 
 @pytest.fixture(scope="module")
 def decode_side(tiny_hybrid_model: Path) -> Iterator[DecodeSide]:
-    for connector in decode_connector(tiny_hybrid_model):
+    """With ``direct_pins`` (the scheduler's thread asks and reads); the default, a
+    background thread, has its own test below."""
+    for connector in decode_connector(tiny_hybrid_model, {"direct_pins": True}):
         table = LeaseTable(lease_s=30.0, pin_s=30.0, forget_after_s=120)
         yield DecodeSide(connector, table, LeaseServer(table, "127.0.0.1"))
 
@@ -228,12 +230,13 @@ def test_a_prompt_that_is_not_the_prefilled_one_is_never_pinned(decode_side) -> 
     assert side.table.status("prefill-3").state is LeaseState.HELD
 
 
-def test_pins_through_the_background_thread_alone_when_direct_pins_is_off(
-    tiny_hybrid_model: Path,
+@pytest.mark.parametrize("extra", [{}, {"direct_pins": False}], ids=["default", "off"])
+def test_pins_through_the_background_thread_by_default(
+    tiny_hybrid_model: Path, extra: dict
 ) -> None:
-    """``direct_pins: false`` (the A/B switch): the same pin on arrival, asked and answered
-    by the background pinner; the first schedule() loads once it is in."""
-    for connector in decode_connector(tiny_hybrid_model, {"direct_pins": False}):
+    """Without ``direct_pins``: the same pin on arrival, asked and answered by the
+    background pinner; the first schedule() loads once it is in."""
+    for connector in decode_connector(tiny_hybrid_model, extra):
         assert connector._direct_pins is None
         table = LeaseTable(lease_s=30.0, pin_s=30.0, forget_after_s=120)
         side = DecodeSide(connector, table, LeaseServer(table, "127.0.0.1"))
