@@ -77,7 +77,8 @@ def measure_stack(
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means per value, and on/off ratios of each round's means (one pair per round)."""
+    """Means per value, and on/off ratios of each round's means (one pair per round; a
+    round without both values is left out of the ratios)."""
     metrics = ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms")
     by_value: dict[str, dict[str, float]] = {}
     for value in VALUES:
@@ -95,7 +96,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for m in metrics:
             on = [r[m] for r in rows if r["round"] == index and r["value"] is True]
             off = [r[m] for r in rows if r["round"] == index and r["value"] is False]
-            ratios[m].append(statistics.mean(on) / statistics.mean(off))
+            if on and off:  # a round cut short has no pair
+                ratios[m].append(statistics.mean(on) / statistics.mean(off))
     return {"by_value": by_value, "on_vs_off_per_round": ratios}
 
 

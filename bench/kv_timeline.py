@@ -23,6 +23,9 @@ Stages of one request, in milliseconds (each from the first event of its kind):
 - ``report_to_scheduler``: the worker's report to the scheduler seeing it;
 - ``to_compute``: the scheduler seeing it to the step that computes the request;
 - ``total``: arrival to that step.
+
+Only requests with every stage and a read that was used count; ``--run`` includes
+``vllm bench serve``'s warm-up requests (one per concurrent slot).
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ STAGES = (
 
 def requests_in(lines: list[str]) -> dict[str, dict[str, Any]]:
     """Per request id: the time of the first event of each kind, ``first_schedule`` and
-    ``ready`` (the first ``schedule`` event, the first with ``ready`` true) and
-    ``first_ready`` (whether those are one). Lines that are not events are skipped."""
+    ``ready`` (the first ``schedule`` event, the first with ``ready`` true), ``first_ready``
+    (whether those are one) and ``failed`` (a read that failed or was refused). Lines that
+    are not events are skipped."""
     found: dict[str, dict[str, Any]] = {}
     for line in lines:
         try:
@@ -63,6 +67,8 @@ def requests_in(lines: list[str]) -> dict[str, dict[str, Any]]:
         except (ValueError, KeyError, TypeError):
             continue
         times = found.setdefault(req, {})
+        if event.get("failed"):
+            times["failed"] = True
         if name == "schedule":
             if "first_schedule" not in times:
                 times["first_schedule"] = when
@@ -74,10 +80,15 @@ def requests_in(lines: list[str]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def stage_times(requests: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
-    """Milliseconds of each stage, over the requests that went through every stage."""
+def complete_requests(requests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests that went through every stage with a read that was used."""
     wanted = {event for _, start, end in STAGES for event in (start, end)}
-    complete = [times for times in requests.values() if wanted <= times.keys()]
+    return [t for t in requests.values() if wanted <= t.keys() and not t.get("failed")]
+
+
+def stage_times(requests: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """Milliseconds of each stage, over :func:`complete_requests`."""
+    complete = complete_requests(requests)
     return {
         stage: [(times[end] - times[start]) * 1e3 for times in complete]
         for stage, start, end in STAGES
@@ -90,12 +101,16 @@ def summarize(requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"requests": len(requests), "complete": complete}
     if not complete:
         return summary
-    ready = [t["first_ready"] for t in requests.values() if "first_ready" in t]
-    summary["first_schedule_ready"] = sum(ready) / len(ready)
+    ready = [t["first_ready"] for t in complete_requests(requests)]
+    summary["first_schedule_ready"] = sum(ready) / len(ready)  # over the stage table's requests
     summary["stages_ms"] = {
         stage: {
             "p50": statistics.median(values),
-            "p90": statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0],
+            "p90": (
+                statistics.quantiles(values, n=10, method="inclusive")[-1]
+                if len(values) > 1
+                else values[0]
+            ),
             "mean": statistics.mean(values),
         }
         for stage, values in stages.items()

@@ -671,7 +671,7 @@ def test_the_decode_engine_records_each_stage_of_a_requests_kv_path(stack: Stack
     assert len(complete) == 1, requests  # this request, every stage recorded
     times = [complete[0][event] for event in KV_PATH]
     assert times == sorted(times), dict(zip(KV_PATH, times, strict=True))
-    assert all(value >= 0 for values in stage_times(requests).values() for value in values)
+    assert len(stage_times(requests)["total"]) == 1  # its read was used (not failed)
     summary = summarize(requests)
     assert summary["complete"] == 1 and summary["stages_ms"]["total"]["p50"] > 0
     assert_alive(stack)

@@ -478,7 +478,7 @@ class DigestGuardMixin:
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()  # type: ignore[misc]
-        kv_timeline.record_all("read_done", results.finished_recving)
+        kv_timeline.record_all("read_done", results.finished_recving, results.failed_recving)
         if not self._digest_on:
             return results
         if results.finished_sending:

@@ -10,15 +10,21 @@ into stage times.
 Events, in a request's order:
 
 - ``arrive``: the scheduler is handed the request (``on_new_request``);
-- ``pin_asked``: its lease pin question is sent (``direct``: from the scheduler's thread);
+- ``pin_asked``: its lease pin question is handed to the background pinner, or sent
+  (``direct``: from the scheduler's thread, ``direct_pins``);
 - ``schedule``: a ``schedule()`` asked how many tokens it loads; ``ready`` false while its
-  pin is unanswered (the request waits a step);
+  pin is unanswered (the request waits a step), true once it is answered (granted or
+  refused) or needs none;
 - ``alloc``: blocks were allocated for its read;
-- ``read_posted``: a worker posted the NIXL read;
+- ``read_posted``: a worker started the step's reads (once per TP rank; a read to a prefill
+  engine not yet handshaken is posted later, unrecorded);
 - ``read_done``: NIXL reported the read complete (before the KV digest check);
 - ``read_reported``: the worker reported it to vLLM (after the digest check);
 - ``recv_seen``: the scheduler saw the report;
 - ``scheduled``: the first step to compute the request after that.
+
+``read_done``, ``read_reported`` and ``recv_seen`` carry ``failed: true`` for a read that
+failed or was refused (never used). Pull mode only: push workers record no reads.
 """
 
 from __future__ import annotations
@@ -50,12 +56,16 @@ def record(event: str, req_id: str, **fields: Any) -> None:
         pass  # a diagnostic never fails a request
 
 
-def record_all(event: str, req_ids: Any) -> None:
-    """``event`` for every id in ``req_ids`` (any iterable; None for none)."""
+def record_all(event: str, req_ids: Any, failed: Any = None) -> None:
+    """``event`` for every id in ``req_ids`` (any iterable; None for none); those also in
+    ``failed`` are marked so."""
     if _path is None or not req_ids:
         return
     for req_id in req_ids:
-        record(event, str(req_id))
+        if failed and req_id in failed:
+            record(event, str(req_id), failed=True)
+        else:
+            record(event, str(req_id))
 
 
 def set_path(path: str | None) -> None:

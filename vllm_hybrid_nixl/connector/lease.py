@@ -231,6 +231,7 @@ class LeaseHolderMixin:
         self._pin_holds: dict[str, float] = {}  # decode: held at least until (pin acks)
         self._early_pins: set[str] = set()  # decode: pins asked as the request arrived
         self._reading: set[str] = set()  # decode: pinned requests whose read has started
+        self._timeline_live: set[str] = set()  # decode: unfinished requests (timeline)
         self._timeline_received: set[str] = set()  # decode: read, not yet computed (timeline)
         self._digest_port: int | None = None  # prefill: where its workers serve KV digests
         self._digest_sources: dict[str, Any] = {}  # prefill: blocks to digest next step
@@ -347,8 +348,10 @@ class LeaseHolderMixin:
 
     def update_connector_output(self, connector_output: Any) -> None:
         if kv_timeline.enabled() and connector_output.finished_recving:
-            kv_timeline.record_all("recv_seen", connector_output.finished_recving)
-            self._timeline_received.update(connector_output.finished_recving)
+            seen = connector_output.finished_recving
+            failed = getattr(connector_output, "failed_recving", None)  # 0.32+
+            kv_timeline.record_all("recv_seen", seen, failed)
+            self._timeline_received.update(r for r in seen if r in self._timeline_live)
         if self._renewer is not None:
             for req_id in connector_output.finished_recving or ():
                 self._renewer.drop(req_id)  # read (or failed): the lease is no longer wanted
@@ -376,6 +379,7 @@ class LeaseHolderMixin:
     def on_new_request(self, request: Any) -> None:
         if kv_timeline.enabled() and _loads_remote_kv(request):
             kv_timeline.record("arrive", request.request_id)
+            self._timeline_live.add(request.request_id)
         parent = getattr(super(), "on_new_request", None)
         if parent is not None:
             parent(request)
@@ -436,6 +440,7 @@ class LeaseHolderMixin:
         self._pin_sent.pop(req_id, None)
         self._pin_holds.pop(req_id, None)
         self._reading.discard(req_id)
+        self._timeline_live.discard(req_id)
         self._timeline_received.discard(req_id)
         if self._renewer is not None:
             self._renewer.drop(req_id)

@@ -581,13 +581,14 @@ class HybridNixlPullWorker(
     the end-to-end KV digest."""
 
     def start_load_kv(self, metadata: Any) -> Any:
-        if kv_timeline.enabled():
-            kv_timeline.record_all("read_posted", getattr(metadata, "reqs_to_recv", None))
-        return super().start_load_kv(metadata)
+        reads = list(getattr(metadata, "reqs_to_recv", None) or ()) if kv_timeline.enabled() else []
+        started = super().start_load_kv(metadata)
+        kv_timeline.record_all("read_posted", reads)
+        return started
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()
-        kv_timeline.record_all("read_reported", results.finished_recving)
+        kv_timeline.record_all("read_reported", results.finished_recving, results.failed_recving)
         return results
 
 
