@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
-import zmq
 
-from tests.unit.test_lease_wire_robustness import EPOCH, Impostor
+from tests.unit.test_lease_wire_robustness import EPOCH, Impostor, silent_lease_service
 from vllm_hybrid_nixl.connector.direct_pin import DirectPins
 from vllm_hybrid_nixl.connector.lease_background import LeasePeers, Pinner
 from vllm_hybrid_nixl.protocol.lease_table import LeaseState, LeaseStatus, LeaseTable
@@ -69,26 +68,16 @@ def test_a_second_reader_of_the_same_lease_is_refused(service) -> None:
 def test_one_question_in_flight_per_endpoint() -> None:
     """A second pin to an endpoint whose question is unanswered is not sent (the caller
     pins it in the background); other endpoints are not held up."""
-    silent = [zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2)]
-    try:
-        ports = [socket.bind_to_random_port("tcp://127.0.0.1") for socket in silent]
-        first, other = (LeaseAddress("127.0.0.1", port, EPOCH) for port in ports)
+    with silent_lease_service() as first, silent_lease_service() as other:
         pins = DirectPins(60.0, Pinner(LeasePeers(), 60.0).submit)
         assert pins.ask(first, "c", "decode/1") is not None
         assert pins.ask(first, "d", "decode/2") is None
         assert pins.ask(other, "e", "decode/3") is not None
         assert pins.in_flight() == 2
-    finally:
-        for socket in silent:
-            socket.close(linger=0)
 
 
 def test_a_question_whose_request_has_gone_is_not_asked_again() -> None:
-    silent = zmq.Context.instance().socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        address = LeaseAddress("127.0.0.1", port, EPOCH)
+    with silent_lease_service() as address:
         peers = LeasePeers()
         pins = DirectPins(0.1, Pinner(peers, 0.1).submit)
         future = pins.ask(address, "x", "decode/1")
@@ -96,8 +85,6 @@ def test_a_question_whose_request_has_gone_is_not_asked_again() -> None:
         status = settled(pins, future)
         assert status.state is LeaseState.UNKNOWN and "request gone" in status.reason
         assert not peers._peers  # the background pinner never asked
-    finally:
-        silent.close()
 
 
 def test_a_background_pin_that_fails_oddly_still_answers() -> None:
@@ -109,24 +96,15 @@ def test_a_background_pin_that_fails_oddly_still_answers() -> None:
         future.set_exception(RuntimeError("pinner broke"))
         return future
 
-    silent = zmq.Context.instance().socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
+    with silent_lease_service() as address:
         pins = DirectPins(0.1, broken)
-        future = pins.ask(LeaseAddress("127.0.0.1", port, EPOCH), "x", "decode/1")
+        future = pins.ask(address, "x", "decode/1")
         status = settled(pins, future)
         assert status.state is LeaseState.UNKNOWN and "pinner broke" in status.reason
-    finally:
-        silent.close()
 
 
 def test_a_silent_service_is_retried_in_the_background_and_refused_by_name() -> None:
-    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes questions, never answers
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        address = LeaseAddress("127.0.0.1", port, EPOCH)
+    with silent_lease_service() as address:
         pins = DirectPins(0.1, Pinner(LeasePeers(), 0.1).submit)
         future = pins.ask(address, "x", "decode/1")
         assert future is not None
@@ -135,8 +113,6 @@ def test_a_silent_service_is_retried_in_the_background_and_refused_by_name() -> 
         assert "scheduler's thread: no answer within 0.1 s" in status.reason  # our try
         assert "3 tries" in status.reason  # then the background pinner's
         assert pins.in_flight() == 0 and pins.ask(address, "y", "decode/2") is not None
-    finally:
-        silent.close()
 
 
 @pytest.mark.parametrize(

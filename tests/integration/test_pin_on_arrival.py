@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from tests.unit.test_lease_wire_robustness import silent_lease_service  # noqa: E402
 from vllm_hybrid_nixl.connector import compat, lease  # noqa: E402
 from vllm_hybrid_nixl.connector.connectors import HybridNixlConnector  # noqa: E402
 from vllm_hybrid_nixl.connector.lease import prompt_digest  # noqa: E402
@@ -280,11 +281,8 @@ def test_a_request_aborted_while_its_pin_is_unanswered_is_not_pinned_again(
     """Its question to a silent lease service times out (lease_check_timeout, 2 s) and is
     dropped, not handed to the background pinner to pin blocks no one will read."""
     side = decode_side
-    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes questions, never answers
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        request = decode_request(side, "decode-10", "prefill-10", lease_port=port)
+    with silent_lease_service() as silent:
+        request = decode_request(side, "decode-10", "prefill-10", lease_port=silent.port)
         side.connector.on_new_request(request)
         assert side.connector._direct_pins.in_flight() == 1
         request.status = RequestStatus.FINISHED_ABORTED
@@ -294,7 +292,4 @@ def test_a_request_aborted_while_its_pin_is_unanswered_is_not_pinned_again(
             assert time.monotonic() < deadline, "the question never timed out"
             time.sleep(0.05)
             side.connector._direct_pins.collect()  # as each schedule() does
-        endpoint = f"tcp://127.0.0.1:{port}"
-        assert endpoint not in side.connector._pinner._peers._peers  # never asked again
-    finally:
-        silent.close()
+        assert silent.endpoint not in side.connector._pinner._peers._peers  # never asked again

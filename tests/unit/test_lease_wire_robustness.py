@@ -11,6 +11,7 @@ import json
 import random
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -167,6 +168,18 @@ class Impostor:
 EPOCH = "0123456789abcdef"
 
 
+@contextmanager
+def silent_lease_service() -> Iterator[LeaseAddress]:
+    """A ZeroMQ peer on 127.0.0.1 that takes lease questions and never answers; its
+    address (epoch :data:`EPOCH`)."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    try:
+        yield LeaseAddress("127.0.0.1", silent.bind_to_random_port("tcp://127.0.0.1"), EPOCH)
+    finally:
+        silent.close()
+
+
 @pytest.mark.parametrize(
     "reply",
     [
@@ -231,15 +244,10 @@ def test_background_pins_batch_per_endpoint_and_never_raise(service) -> None:
     assert first.result(10).state is LeaseState.PINNED
     assert second.result(10).state is LeaseState.PINNED
     assert other.result(10).state is LeaseState.TAKEN
-    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes questions, never answers
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        nobody = pinner.submit(LeaseAddress("127.0.0.1", port, EPOCH), "x", "decode/4")
+    with silent_lease_service() as nobody_there:
+        nobody = pinner.submit(nobody_there, "x", "decode/4")
         refused = nobody.result(10)
         assert refused.state is LeaseState.UNKNOWN and "no answer" in refused.reason
-    finally:
-        silent.close()
     impostor = Impostor(b"[]")
     odd = pinner.submit(LeaseAddress("127.0.0.1", impostor.port, EPOCH), "x", "decode/5")
     assert odd.result(10).state is LeaseState.UNKNOWN and "not an object" in odd.result().reason
