@@ -10,7 +10,10 @@ serving take turns, round after round, so machine noise hits all alike:
 - ``colocated``: the decode engine answers the request alone (no P/D).
 
 Router overhead = router minus client_legs (latency of whole requests, p50 and p99); TTFT of
-P/D against colocated from streamed requests.
+P/D against colocated from streamed requests. The inter-token time is the decode engine's own
+(``vllm:inter_token_latency_seconds``, finer buckets, its delta over each way's rounds): a
+client on the same two cores reads a stream late and sees tokens bunched (the 0.00 ms rows
+this table once showed at 32 concurrent).
 
     python -m bench.end_to_end [--concurrency 1 8 32 64] [--rounds 3] [--max-tokens 16]
 """
@@ -107,9 +110,13 @@ def bodies_for(
 def measure(
     urls: dict[str, str], model: str, concurrency: list[int], rounds: int, max_tokens: int
 ) -> list[dict[str, Any]]:
+    from bench.goodput import scrape
+    from bench.goodput_stats import histogram_delta, histogram_quantile
+
     rows = []
     for c in concurrency:
         samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
+        itl_buckets: dict[str, dict[float, float]] = {way: {} for way in WAYS}
         # One request at a time gives one sample per round: take more rounds there, the P/D
         # path's latency is heavy-tailed (stalls of hundreds of ms) on a shared 2-core box.
         # Every (round, way) gets prompts of its own: with shared ones, client_legs found the
@@ -120,7 +127,11 @@ def measure(
             for way in WAYS[shift:] + WAYS[:shift]:
                 tag = f"c{c} r{r} w{WAYS.index(way)} "
                 bodies = bodies_for(model, c, max_tokens, words=8 + r, tag=tag)
+                before = scrape(urls["decode"]).itl
                 samples[way] += asyncio.run(one_round(way, urls, bodies))
+                added = histogram_delta(before, scrape(urls["decode"]).itl)
+                for bound, count in added.items():
+                    itl_buckets[way][bound] = itl_buckets[way].get(bound, 0.0) + count
         row: dict[str, Any] = {"concurrency": c}
         for way in WAYS:
             total = [s[0] for s in samples[way]]
@@ -130,7 +141,11 @@ def measure(
                 "p50_s": statistics.median(total),
                 "p99_s": percentile(total, 99),
                 "ttft_p50_s": statistics.median(ttft),
-                "itl_p50_ms": statistics.median(itl) * 1e3 if itl else math.nan,
+                # the decode engine's own inter-token times over this way's rounds
+                "itl_p50_ms": histogram_quantile(itl_buckets[way], 0.5) * 1e3,
+                "itl_p99_ms": histogram_quantile(itl_buckets[way], 0.99) * 1e3,
+                # what the client saw: events it read, apart (bunched when it reads late)
+                "client_itl_p50_ms": statistics.median(itl) * 1e3 if itl else math.nan,
                 # output tokens per second over the round: every request's tokens / p50 time
                 "tokens_per_s": c * max_tokens / statistics.median(total),
             }
@@ -324,12 +339,14 @@ def start_stack(
     """Prefill and decode engines (a core each, or none with ``confine_cores`` False: as a
     plain ``vllm serve`` starts; ``engine_args`` added to both command lines) and the router
     process; returns (urls, stop), and the router's PID after them when asked."""
+    from bench.goodput import ITL_BUCKETS
     from vllm_hybrid_nixl.common.netutil import free_port, free_side_channel_port
     from vllm_hybrid_nixl.common.processes import die_with_parent
     from vllm_hybrid_nixl.deploy.engines import EngineProcess, EngineSpec
     from vllm_hybrid_nixl.deploy.keepalive import router_keep_alive_s
 
     args = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "64"]
+    args += ["--custom-histogram-buckets", json.dumps({"inter_token_latency": ITL_BUCKETS})]
     args += engine_args or []
     engines = [
         EngineProcess(

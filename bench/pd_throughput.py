@@ -69,6 +69,7 @@ def measure_shape(
 ) -> list[dict[str, Any]]:
     """Every (round, concurrency, way) run on one stack of ``shape``."""
     from bench.goodput import scrape, stage_means_ms
+    from bench.goodput_stats import histogram_delta, histogram_quantile
 
     runs: list[dict[str, Any]] = []
     with tiny_stack(spec=model_spec(shape), engine_args=ENGINE_ARGS) as stack:
@@ -85,10 +86,9 @@ def measure_shape(
                     result = bench_serve(
                         url, stack.model, c, prompts_for(c, per_slot), stack.work, seed, lengths
                     )
-                    stages = {
-                        role: stage_means_ms(scraped[role], scrape(stack.urls[role]))
-                        for role in ENGINES
-                    }
+                    later = {role: scrape(stack.urls[role]) for role in ENGINES}
+                    stages = {role: stage_means_ms(scraped[role], later[role]) for role in ENGINES}
+                    decode_itl = histogram_delta(scraped["decode"].itl, later["decode"].itl)
                     after = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
                     runs.append(
                         {
@@ -100,6 +100,9 @@ def measure_shape(
                             "duration_s": result["duration"],
                             "output_tokens_per_s": result["output_throughput"],
                             "itl_p50_ms": result["median_itl_ms"],
+                            # the decode engine's own, between the tokens it produced
+                            "engine_itl_p50_ms": histogram_quantile(decode_itl, 0.5) * 1e3,
+                            "engine_itl_p99_ms": histogram_quantile(decode_itl, 0.99) * 1e3,
                             "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
                             "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
                             "engine_stage_means_ms": stages,
@@ -110,7 +113,8 @@ def measure_shape(
                         f"  {shape}, round {round_index + 1}, c={c}, {way}: "
                         f"{result['output_throughput']:.0f} tok/s, TTFT p50 "
                         f"{result['median_ttft_ms']:.0f} ms, ITL p50 "
-                        f"{result['median_itl_ms']:.1f} ms, engines {stages}",
+                        f"{result['median_itl_ms']:.1f} ms (decode engine's "
+                        f"{runs[-1]['engine_itl_p50_ms']:.1f}), engines {stages}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -136,6 +140,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 by_c[c][way] = {
                     **pooled(chosen),  # tokens over run time, percentiles over requests
                     "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in chosen),
+                    "engine_itl_p50_ms": statistics.median(
+                        r.get("engine_itl_p50_ms", math.nan) for r in chosen
+                    ),
                     "engine_stage_means_ms": {
                         role: {
                             stage: statistics.fmean(
@@ -176,8 +183,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
-        "| ITL p50 ms | prefill engine TTFT ms | decode engine queue ms | decode engine TTFT ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ms | decode engine ITL p50 ms | prefill engine TTFT ms | decode engine queue ms "
+        "| decode engine TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, by_c in result["by_shape"].items():
         for c, ways in by_c.items():
@@ -187,7 +195,8 @@ def table(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {shape} | {c} | {way} | {row['output_tokens_per_s']:.0f} | "
                     f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
-                    f"{row['e2el_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | {prefill_ttft:.0f} | "
+                    f"{row['e2el_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | "
+                    f"{row['engine_itl_p50_ms']:.1f} | {prefill_ttft:.0f} | "
                     f"{stages['decode'].get('queue', math.nan):.0f} | "
                     f"{stages['decode'].get('ttft', math.nan):.0f} |"
                 )

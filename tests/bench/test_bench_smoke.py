@@ -87,6 +87,9 @@ def test_sections_are_complete(results: Path) -> None:
     for way in ("router", "client_legs", "colocated"):
         assert finite_positive(row[way]["ttft_p50_s"]) and finite_positive(row[way]["p50_s"])
         assert row[way]["ttft_p50_s"] <= row[way]["p50_s"]
+        # the decode engine's own inter-token time: never the 0.00 of a client reading late
+        assert finite_positive(row[way]["itl_p50_ms"]), (way, row[way])
+        assert row[way]["itl_p50_ms"] <= row[way]["itl_p99_ms"]
     tokens = [r["prompt_tokens"] for r in e2e["prompt_scaling"]["rows"]]
     assert len(tokens) == 2 and tokens[0] < tokens[1]
     # each P/D request's KV as the decode engine counted it: more for the longer prompt
