@@ -73,6 +73,9 @@ from bench.router_peer import refresh_latest
 
 WAYS = ("pd", "colocated_x2", "one_engine")  # the default run; see PLANS for one more
 ITL_METRIC = "vllm:inter_token_latency_seconds"
+#: Tokens per engine step (one observation a step) and tokens generated.
+STEP_METRIC = "vllm:iteration_tokens_total"
+GENERATED_METRIC = "vllm:generation_tokens_total"
 #: Finer than vLLM's default ITL buckets (10, 25, 50, 75, 100 ms ...): p50/p99 read from them.
 ITL_BUCKETS = [i / 1000 for i in (*range(2, 40, 2), *range(40, 100, 5), *range(100, 300, 20))]
 ITL_BUCKETS += [0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0]
@@ -269,6 +272,9 @@ class Scrape:
 
     itl: dict[float, float] = field(default_factory=dict)
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+    steps: float = 0.0  # engine steps whose outputs the API server processed
+    step_tokens: float = 0.0  # tokens those steps computed (prompt and generated)
+    generated: float = 0.0  # tokens generated
 
 
 def scrape(engine_url: str) -> Scrape:
@@ -281,6 +287,12 @@ def parse_scrape(text: str) -> Scrape:
     by_metric = {metric: stage for stage, metric in STAGES.items()}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == f"{STEP_METRIC}_count":
+                found.steps += sample.value
+            elif sample.name == f"{STEP_METRIC}_sum":
+                found.step_tokens += sample.value
+            elif sample.name == GENERATED_METRIC:
+                found.generated += sample.value
             if sample.name == f"{ITL_METRIC}_bucket":
                 bound = float(sample.labels["le"])
                 found.itl[bound] = found.itl.get(bound, 0.0) + sample.value
@@ -291,6 +303,19 @@ def parse_scrape(text: str) -> Scrape:
                     pair[slot] += sample.value
                     found.stages[stage] = (pair[0], pair[1])
     return found
+
+
+def step_figures(before: Scrape, after: Scrape) -> dict[str, float]:
+    """An engine's steps between two scrapes, the tokens each computed and generated on
+    average (its batch: with no prompt tokens, the requests it decoded a step)."""
+    steps = after.steps - before.steps
+    if steps <= 0:
+        return {"steps": 0.0}
+    return {
+        "steps": steps,
+        "tokens_per_step": (after.step_tokens - before.step_tokens) / steps,
+        "generated_per_step": (after.generated - before.generated) / steps,
+    }
 
 
 def stage_means_ms(before: Scrape, after: Scrape) -> dict[str, float]:

@@ -68,7 +68,7 @@ def measure_shape(
     shape: str, concurrency: list[int], rounds: int, per_slot: int, lengths: tuple[int, int]
 ) -> list[dict[str, Any]]:
     """Every (round, concurrency, way) run on one stack of ``shape``."""
-    from bench.goodput import scrape, stage_means_ms
+    from bench.goodput import scrape, stage_means_ms, step_figures
     from bench.goodput_stats import histogram_delta, histogram_quantile
 
     runs: list[dict[str, Any]] = []
@@ -103,6 +103,9 @@ def measure_shape(
                             # the decode engine's own, between the tokens it produced
                             "engine_itl_p50_ms": histogram_quantile(decode_itl, 0.5) * 1e3,
                             "engine_itl_p99_ms": histogram_quantile(decode_itl, 0.99) * 1e3,
+                            # its steps and batch (a smaller batch pays a step's fixed cost
+                            # over fewer tokens)
+                            "decode_engine_steps": step_figures(scraped["decode"], later["decode"]),
                             "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
                             "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
                             "engine_stage_means_ms": stages,
@@ -114,7 +117,8 @@ def measure_shape(
                         f"{result['output_throughput']:.0f} tok/s, TTFT p50 "
                         f"{result['median_ttft_ms']:.0f} ms, ITL p50 "
                         f"{result['median_itl_ms']:.1f} ms (decode engine's "
-                        f"{runs[-1]['engine_itl_p50_ms']:.1f}), engines {stages}",
+                        f"{runs[-1]['engine_itl_p50_ms']:.1f}), decode engine steps "
+                        f"{runs[-1]['decode_engine_steps']}, engines {stages}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -142,6 +146,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in chosen),
                     "engine_itl_p50_ms": statistics.median(
                         r.get("engine_itl_p50_ms", math.nan) for r in chosen
+                    ),
+                    "decode_generated_per_step": statistics.fmean(
+                        r.get("decode_engine_steps", {}).get("generated_per_step", math.nan)
+                        for r in chosen
                     ),
                     "engine_stage_means_ms": {
                         role: {
@@ -183,9 +191,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
-        "| ITL p50 ms | decode engine ITL p50 ms | prefill engine TTFT ms | decode engine queue ms "
-        "| decode engine TTFT ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ms | decode engine ITL p50 ms | decode engine tokens generated a step "
+        "| prefill engine TTFT ms | decode engine queue ms | decode engine TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, by_c in result["by_shape"].items():
         for c, ways in by_c.items():
@@ -196,7 +204,8 @@ def table(result: dict[str, Any]) -> str:
                     f"| {shape} | {c} | {way} | {row['output_tokens_per_s']:.0f} | "
                     f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
                     f"{row['e2el_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | "
-                    f"{row['engine_itl_p50_ms']:.1f} | {prefill_ttft:.0f} | "
+                    f"{row['engine_itl_p50_ms']:.1f} | {row['decode_generated_per_step']:.1f} | "
+                    f"{prefill_ttft:.0f} | "
                     f"{stages['decode'].get('queue', math.nan):.0f} | "
                     f"{stages['decode'].get('ttft', math.nan):.0f} |"
                 )

@@ -15,6 +15,7 @@ from bench.goodput import (
     model_shape,
     parse_scrape,
     sample_of,
+    step_figures,
 )
 from bench.goodput_stats import (
     LLAMA3_8B,
@@ -130,3 +131,27 @@ def test_metrics_of_two_label_sets_are_summed() -> None:
     found = parse_scrape(text + "\n")
     assert found.itl == {0.01: 3.0, math.inf: 5.0}
     assert found.stages == {"queue": (2.0, 4.0)}
+
+
+def test_engine_steps_and_their_batch_between_two_scrapes() -> None:
+    def metrics(steps: int, tokens: int, generated: int) -> str:
+        return "\n".join(
+            [
+                "# HELP vllm:iteration_tokens_total tokens per step",
+                "# TYPE vllm:iteration_tokens_total histogram",
+                f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf"}} {steps}',
+                f'vllm:iteration_tokens_total_count{{engine="0"}} {steps}',
+                f'vllm:iteration_tokens_total_sum{{engine="0"}} {tokens}',
+                "# HELP vllm:generation_tokens generated",
+                "# TYPE vllm:generation_tokens counter",
+                f'vllm:generation_tokens_total{{engine="0"}} {generated}',
+            ]
+        ) + "\n"  # fmt: skip
+
+    before, after = parse_scrape(metrics(10, 500, 100)), parse_scrape(metrics(30, 1500, 500))
+    assert step_figures(before, after) == {
+        "steps": 20.0,
+        "tokens_per_step": 50.0,  # prompt tokens included
+        "generated_per_step": 20.0,  # the requests decoded a step
+    }
+    assert step_figures(after, after) == {"steps": 0.0}  # no step: no per-step figures
