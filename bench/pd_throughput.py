@@ -32,6 +32,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,19 @@ def measure_shape(
     return runs
 
 
+def median_of_finite(values: Iterable[float]) -> float:
+    """The median of the values that are numbers (runs without the figure give NaN); NaN
+    when none is."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def mean_of_finite(values: Iterable[float]) -> float:
+    """The mean of the values that are numbers; NaN when none is."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(kept) if kept else math.nan
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Pooled figures per (shape, concurrency, way), per-round P/D / alone ratios, headline."""
     table: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
@@ -144,10 +158,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 by_c[c][way] = {
                     **pooled(chosen),  # tokens over run time, percentiles over requests
                     "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in chosen),
-                    "engine_itl_p50_ms": statistics.median(
+                    "engine_itl_p50_ms": median_of_finite(
                         r.get("engine_itl_p50_ms", math.nan) for r in chosen
                     ),
-                    "decode_generated_per_step": statistics.fmean(
+                    "decode_generated_per_step": mean_of_finite(
                         r.get("decode_engine_steps", {}).get("generated_per_step", math.nan)
                         for r in chosen
                     ),

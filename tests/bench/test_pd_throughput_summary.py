@@ -4,6 +4,8 @@ P/D / alone ratio round by round, and a headline per shape at the highest concur
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.pd_throughput import summarize, table
@@ -62,3 +64,17 @@ def test_a_shape_missing_a_way_has_no_headline() -> None:
     result = summarize([run("tiny", "pd", 32, 600, 1.0, 0)])
     assert result["headline"] == {}
     assert result["per_round_pd_vs_alone"]["tiny"]["32"] == []
+
+
+def test_runs_without_a_figure_leave_it_out_of_the_pooled_one() -> None:
+    with_figures = {
+        **run("tiny", "pd", 32, 600, 1.0, 0),
+        "engine_itl_p50_ms": 12.0,
+        "decode_engine_steps": {"steps": 30.0, "generated_per_step": 20.0},
+    }
+    silent = {**run("tiny", "pd", 32, 600, 1.0, 1), "decode_engine_steps": {"steps": 0.0}}
+    alone = [run("tiny", "decode_alone", 32, 1000, 1.0, i) for i in (0, 1)]
+    pooled = summarize([with_figures, silent, *alone])["by_shape"]["tiny"]["32"]
+    assert pooled["pd"]["engine_itl_p50_ms"] == 12.0  # the run without one is left out
+    assert pooled["pd"]["decode_generated_per_step"] == 20.0
+    assert math.isnan(pooled["decode_alone"]["engine_itl_p50_ms"])  # no run had one
