@@ -111,12 +111,12 @@ def measure(
     urls: dict[str, str], model: str, concurrency: list[int], rounds: int, max_tokens: int
 ) -> list[dict[str, Any]]:
     from bench.goodput import scrape
-    from bench.goodput_stats import histogram_delta, histogram_quantile
+    from bench.goodput_stats import histogram_delta, histogram_quantile, summed_buckets
 
     rows = []
     for c in concurrency:
         samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
-        itl_buckets: dict[str, dict[float, float]] = {way: {} for way in WAYS}
+        itl_deltas: dict[str, list[dict[float, float]]] = {way: [] for way in WAYS}
         # One request at a time gives one sample per round: take more rounds there, the P/D
         # path's latency is heavy-tailed (stalls of hundreds of ms) on a shared 2-core box.
         # Every (round, way) gets prompts of its own: with shared ones, client_legs found the
@@ -129,11 +129,10 @@ def measure(
                 bodies = bodies_for(model, c, max_tokens, words=8 + r, tag=tag)
                 before = scrape(urls["decode"]).itl
                 samples[way] += asyncio.run(one_round(way, urls, bodies))
-                added = histogram_delta(before, scrape(urls["decode"]).itl)
-                for bound, count in added.items():
-                    itl_buckets[way][bound] = itl_buckets[way].get(bound, 0.0) + count
+                itl_deltas[way].append(histogram_delta(before, scrape(urls["decode"]).itl))
         row: dict[str, Any] = {"concurrency": c}
         for way in WAYS:
+            itl_buckets = summed_buckets(itl_deltas[way])
             total = [s[0] for s in samples[way]]
             ttft = [s[1] for s in samples[way]]
             itl = [s[2] for s in samples[way] if not math.isnan(s[2])]
@@ -142,8 +141,8 @@ def measure(
                 "p99_s": percentile(total, 99),
                 "ttft_p50_s": statistics.median(ttft),
                 # the decode engine's own inter-token times over this way's rounds
-                "itl_p50_ms": histogram_quantile(itl_buckets[way], 0.5) * 1e3,
-                "itl_p99_ms": histogram_quantile(itl_buckets[way], 0.99) * 1e3,
+                "itl_p50_ms": histogram_quantile(itl_buckets, 0.5) * 1e3,
+                "itl_p99_ms": histogram_quantile(itl_buckets, 0.99) * 1e3,
                 # what the client saw: events it read, apart (bunched when it reads late)
                 "client_itl_p50_ms": statistics.median(itl) * 1e3 if itl else math.nan,
                 # output tokens per second over the round: every request's tokens / p50 time
