@@ -77,28 +77,35 @@ class RelayedStream:
         self.outcome = "ok"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        relay = asyncio.ensure_future(self.relay(send))
+        relay: asyncio.Future[None] | None = None
         try:
+            # The headers and the first event go out from this task, before the relay task
+            # exists: the first token reaches the client without another turn of the loop.
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            first = self.answer.first
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            relay = asyncio.ensure_future(self.relay(send))
             await client_left_first(relay, receive)
         finally:
-            if not relay.done():  # the client left (or the server is stopping)
-                relay.cancel()
+            if relay is None or not relay.done():  # the client left (or the server stops)
+                if relay is not None:
+                    relay.cancel()
                 self.outcome = "client_disconnected"
                 self.handler.metrics.client_disconnects.inc()
             try:
-                with suppress(asyncio.CancelledError):
-                    await relay
+                if relay is not None:
+                    with suppress(asyncio.CancelledError):
+                        await relay
             finally:  # also when the relay was cancelled before it ran at all
                 self.answer.response.close()  # an unfinished stream: the engine aborts it
                 self.handler.proxy.leg_ended(self.answer.decode)
                 self.finish(self.outcome)
 
     async def relay(self, send: Any) -> None:
+        """What follows the first event (``__call__`` sent it), chunk by chunk."""
         answer = self.answer
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            await send({"type": "http.response.body", "body": answer.first, "more_body": True})
-            read = answer.response.next_chunk  # what follows the first event
+            read = answer.response.next_chunk
             while chunk := await read():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except LegTransportError as exc:

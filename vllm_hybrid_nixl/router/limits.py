@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import sys
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -13,6 +15,22 @@ logger = logging.getLogger("vllm_hybrid_nixl.router")
 #: Deepest JSON nesting a request may have (OpenAI bodies, tool schemas included, stay far
 #: below); deeper bodies are refused before any engine sees them.
 MAX_JSON_DEPTH = 64
+
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """``awaitable``'s result, or TimeoutError after ``timeout_s``. On Python 3.11+ it runs in
+    the caller's task (``asyncio.timeout``): no task of its own, so no extra turn of the event
+    loop on the request path; on 3.10, ``asyncio.wait_for``."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
+        raise TimeoutError from exc
 
 
 class BodyRejected(Exception):
@@ -46,7 +64,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
         return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(collect(), timeout_s)
+        return await within(collect(), timeout_s)
     except TimeoutError:
         client = request.client
         logger.warning(
