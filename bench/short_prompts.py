@@ -3,13 +3,14 @@
 and against the router sending every prompt P/D, side by side in one run, alternating; long
 prompts through the same router still go P/D (the decode engine's NIXL bytes say so).
 
-    python -m bench.short_prompts [--requests 24] [--threshold 64]
+    python -m bench.short_prompts [--requests 24] [--threshold 64] [--short-words 8 48 120]
 
 One prefill and one decode ``vllm serve`` (tiny hybrid model, a core each) and two router
 processes in front of them: one without a threshold, one with; and, as the floor any Python
 hop sets, ``bench.passthrough_proxy`` (an aiohttp relay with no parsing or policy) in front of
-the decode engine. One request at a time, each
-prompt new (no prefix-cache hits), the ways rotated request by request. Writes
+the decode engine. One request at a time, each prompt new (no prefix-cache hits), the ways
+rotated request by request, for each short prompt length in turn (each must stay below the
+threshold in the engine's own tokens). Writes
 ``short_prompts.json`` under ``bench/results/``.
 """
 
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -114,48 +116,98 @@ def passthrough_proxy(upstream: str) -> Iterator[str]:
         proxy.wait(timeout=20)
 
 
-def run(requests: int, threshold: int, short_words: int, long_words: int) -> dict[str, Any]:
+def prompt_token_count(url: str, model: str, text: str) -> int:
+    """``text``'s length in the engine's own tokens (vLLM's ``/tokenize``)."""
+    reply = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=30)
+    reply.raise_for_status()
+    return int(reply.json()["count"])
+
+
+def ttft_rounds(
+    ways: dict[str, dict[str, str]], model: str, requests: int, words: int, seed: int
+) -> dict[str, list[float]]:
+    """Seconds to the first token of ``requests`` new ``words``-word prompts per way, the
+    ways rotated request by request (a first, untimed round warms every way up)."""
+    ttft: dict[str, list[float]] = {way: [] for way in WAYS}
+    for index in range(requests + 1):
+        shift = index % len(WAYS)
+        order = WAYS[shift:] + WAYS[:shift]
+        for offset, way in enumerate(order):
+            body = {"model": model, "max_tokens": 4, "temperature": 0.0}
+            body.update(ignore_eos=True, stream=True)
+            body["prompt"] = prompt(seed + index * 10 + offset, words)
+            seconds = asyncio.run(first_token_s(ways[way], body))
+            if index:
+                ttft[way].append(seconds)
+    return ttft
+
+
+def ratios(ttft: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians, p90s, each way's median against the decode engine alone's, and the router's
+    added milliseconds (median against median)."""
+    medians = {way: statistics.median(values) for way, values in ttft.items()}
+    alone = medians["decode_alone"]
+    return {
+        "ttft_median_s": medians,
+        "ttft_p90_s": {way: statistics.quantiles(v, n=10)[-1] for way, v in ttft.items()},
+        "conditional_vs_decode_alone_ttft": medians["router_conditional"] / alone,
+        "pd_vs_decode_alone_ttft": medians["router_pd"] / alone,
+        "passthrough_vs_decode_alone_ttft": medians["passthrough_proxy"] / alone,
+        "conditional_added_ms": (medians["router_conditional"] - alone) * 1e3,
+        "passthrough_added_ms": (medians["passthrough_proxy"] - alone) * 1e3,
+    }
+
+
+def run(requests: int, threshold: int, short_words: list[int], long_words: int) -> dict[str, Any]:
+    """Every short prompt length in ``short_words``, then long prompts through the
+    conditional router (they must still move KV)."""
     with (
         three_ways(threshold) as (model, urls, ways),
         passthrough_proxy(urls["decode"]) as proxy_url,
     ):
         ways["passthrough_proxy"] = {**urls, "router": proxy_url}
-        ttft: dict[str, list[float]] = {way: [] for way in WAYS}
+        by_words: dict[str, Any] = {}
+        for step, words in enumerate(short_words):
+            tokens = prompt_token_count(urls["decode"], model, prompt(0, words))
+            if tokens >= threshold:
+                raise SystemExit(
+                    f"{words}-word prompts are {tokens} tokens, not below --threshold "
+                    f"{threshold}: raise --threshold or pass fewer --short-words"
+                )
+            ttft = ttft_rounds(ways, model, requests, words, seed=step * 1_000_000)
+            by_words[str(words)] = {"prompt_tokens": tokens, **ratios(ttft), "ttft_s": ttft}
+            figures = by_words[str(words)]
+            print(
+                f"{words} words ({tokens} tokens): conditional / decode alone "
+                f"{figures['conditional_vs_decode_alone_ttft']:.2f}x "
+                f"(+{figures['conditional_added_ms']:.1f} ms)",
+                file=sys.stderr,
+                flush=True,
+            )
         long_nixl: list[float] = []
-        for index in range(requests + 1):  # the first round warms every way up: untimed
-            shift = index % len(WAYS)
-            order = WAYS[shift:] + WAYS[:shift]
-            for offset, way in enumerate(order):
-                body = {"model": model, "max_tokens": 4, "temperature": 0.0}
-                body.update(ignore_eos=True, stream=True)
-                body["prompt"] = prompt(index * 10 + offset, short_words)
-                seconds = asyncio.run(first_token_s(ways[way], body))
-                if index:
-                    ttft[way].append(seconds)
+        for index in range(requests):
             long_body = {"model": model, "max_tokens": 4, "temperature": 0.0, "stream": True}
-            long_body["prompt"] = prompt(index * 10 + 9, long_words)
+            long_body["prompt"] = prompt(90_000_000 + index, long_words)
             before = read_kv_transfer_counters(urls["decode"])
             asyncio.run(first_token_s(ways["router_conditional"], long_body))
             long_nixl.append((read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes)
-            print(f"request {index}/{requests}", file=sys.stderr, flush=True)
+        long_tokens = prompt_token_count(urls["decode"], model, prompt(0, long_words))
         choices = httpx.get(f"{ways['router_conditional']['router']}/metrics", timeout=10).text
-    medians = {way: statistics.median(values) for way, values in ttft.items()}
+    shortest = by_words[str(short_words[0])]
     return {
         "requests": requests,
         "threshold_tokens": threshold,
         "short_prompt_words": short_words,
         "long_prompt_words": long_words,
-        "ttft_median_s": medians,
-        "ttft_p90_s": {way: statistics.quantiles(v, n=10)[-1] for way, v in ttft.items()},
-        "conditional_vs_decode_alone_ttft": medians["router_conditional"] / medians["decode_alone"],
-        "pd_vs_decode_alone_ttft": medians["router_pd"] / medians["decode_alone"],
-        "passthrough_vs_decode_alone_ttft": medians["passthrough_proxy"] / medians["decode_alone"],
+        "long_prompt_tokens": long_tokens,
+        # the shortest prompts' figures at the top level, as before
+        **{key: value for key, value in shortest.items() if key != "ttft_s"},
+        "by_prompt_words": by_words,
         "long_prompts_moved_kv": sum(1 for b in long_nixl if b > 0),
         "long_prompts": len(long_nixl),
         "short_prompt_choices_line": [
             line for line in choices.splitlines() if 'reason="short_prompt"' in line
         ],
-        "ttft_s": ttft,
     }
 
 
@@ -163,23 +215,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--threshold", type=int, default=64)
-    parser.add_argument("--short-words", type=int, default=8)
+    parser.add_argument(
+        "--short-words", type=int, nargs="+", default=[8], help="short prompt lengths, in words"
+    )
     parser.add_argument("--long-words", type=int, default=300)
     parser.add_argument("--out", type=Path, default=RESULTS / "short_prompts.json")
     args = parser.parse_args()
     started = time.monotonic()
     result = run(args.requests, args.threshold, args.short_words, args.long_words)
+    from bench.__main__ import commit
+
     result["seconds"] = round(time.monotonic() - started, 1)
+    result["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result["commit"] = commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for way in WAYS:
-        print(f"{way:>20}: TTFT median {result['ttft_median_s'][way] * 1000:.1f} ms")
-    print(
-        f"conditional / decode alone {result['conditional_vs_decode_alone_ttft']:.2f}x, "
-        f"P/D / decode alone {result['pd_vs_decode_alone_ttft']:.2f}x, a bare Python hop / "
-        f"decode alone {result['passthrough_vs_decode_alone_ttft']:.2f}x; long prompts that "
-        f"moved KV: {result['long_prompts_moved_kv']}/{result['long_prompts']}"
-    )
+    for words, figures in result["by_prompt_words"].items():
+        medians = ", ".join(f"{way} {figures['ttft_median_s'][way] * 1000:.1f}" for way in WAYS)
+        print(f"{words} words ({figures['prompt_tokens']} tokens), TTFT median ms: {medians}")
+        print(
+            f"  conditional / decode alone {figures['conditional_vs_decode_alone_ttft']:.2f}x "
+            f"(+{figures['conditional_added_ms']:.1f} ms), P/D / decode alone "
+            f"{figures['pd_vs_decode_alone_ttft']:.2f}x, a bare Python hop / decode alone "
+            f"{figures['passthrough_vs_decode_alone_ttft']:.2f}x"
+        )
+    print(f"long prompts that moved KV: {result['long_prompts_moved_kv']}/{result['long_prompts']}")
     return 0
 
 

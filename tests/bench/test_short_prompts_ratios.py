@@ -1,0 +1,20 @@
+"""``bench.short_prompts.ratios``: each way's median against the decode engine alone's."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.short_prompts import WAYS, ratios
+
+
+def test_ratios_are_medians_against_the_decode_engine_alone() -> None:
+    ttft = {way: [0.010, 0.012, 0.011] for way in WAYS}
+    ttft["router_conditional"] = [0.013, 0.014, 0.012]
+    ttft["router_pd"] = [0.030, 0.033, 0.040]
+    figures = ratios(ttft)
+    assert figures["ttft_median_s"]["decode_alone"] == pytest.approx(0.011)
+    assert figures["conditional_vs_decode_alone_ttft"] == pytest.approx(13 / 11)
+    assert figures["pd_vs_decode_alone_ttft"] == pytest.approx(33 / 11)
+    assert figures["conditional_added_ms"] == pytest.approx(2.0)
+    assert figures["passthrough_added_ms"] == pytest.approx(0.0)
+    assert figures["ttft_p90_s"]["router_pd"] > figures["ttft_median_s"]["router_pd"]
