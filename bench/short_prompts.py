@@ -211,6 +211,26 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
     }
 
 
+def latest_keys(result: dict[str, Any]) -> dict[str, Any]:
+    """This run's figures as ``latest.json`` keys, keyed by prompt tokens."""
+    by_tokens = {str(f["prompt_tokens"]): f for f in result["by_prompt_words"].values()}
+    return {
+        "short_prompt_conditional_vs_decode_alone_ttft": {
+            tokens: round(f["conditional_vs_decode_alone_ttft"], 3)
+            for tokens, f in by_tokens.items()
+        },
+        "short_prompt_router_added_ms": {
+            tokens: round(f["conditional_added_ms"], 2) for tokens, f in by_tokens.items()
+        },
+        "short_prompt_passthrough_vs_decode_alone_ttft": {
+            tokens: round(f["passthrough_vs_decode_alone_ttft"], 3)
+            for tokens, f in by_tokens.items()
+        },
+        "short_prompts_date": result["date"],
+        "short_prompts_commit": result["commit"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=24)
@@ -230,6 +250,10 @@ def main() -> int:
     result["commit"] = commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.out.parent == RESULTS:  # a committed run: its headline into latest.json
+        latest_path = RESULTS / "latest.json"
+        latest = json.loads(latest_path.read_text()) if latest_path.exists() else {}
+        latest_path.write_text(json.dumps({**latest, **latest_keys(result)}, indent=2))
     for words, figures in result["by_prompt_words"].items():
         medians = ", ".join(f"{way} {figures['ttft_median_s'][way] * 1000:.1f}" for way in WAYS)
         print(f"{words} words ({figures['prompt_tokens']} tokens), TTFT median ms: {medians}")

@@ -1,4 +1,5 @@
-"""``bench.short_prompts.ratios``: each way's median against the decode engine alone's."""
+"""``bench.short_prompts``: each way's median against the decode engine alone's, and the
+figures it puts into ``latest.json``."""
 
 from __future__ import annotations
 
@@ -18,3 +19,19 @@ def test_ratios_are_medians_against_the_decode_engine_alone() -> None:
     assert figures["conditional_added_ms"] == pytest.approx(2.0)
     assert figures["passthrough_added_ms"] == pytest.approx(0.0)
     assert figures["ttft_p90_s"]["router_pd"] > figures["ttft_median_s"]["router_pd"]
+
+
+def test_latest_keys_are_keyed_by_prompt_tokens() -> None:
+    from bench.short_prompts import latest_keys
+
+    ttft = {way: [0.010, 0.011] for way in WAYS}
+    ttft["router_conditional"] = [0.012, 0.013]
+    result = {
+        "by_prompt_words": {"8": {"prompt_tokens": 25, **ratios(ttft)}},
+        "date": "2026-12-07T00:00:00+00:00",
+        "commit": "abc1234",
+    }
+    keys = latest_keys(result)
+    assert keys["short_prompt_conditional_vs_decode_alone_ttft"] == {"25": round(12.5 / 10.5, 3)}
+    assert keys["short_prompt_router_added_ms"] == {"25": 2.0}
+    assert keys["short_prompts_commit"] == "abc1234"
