@@ -183,6 +183,33 @@ def test_a_body_that_trickles_in_gets_408(open_router: RouterServer, caplog) -> 
     assert b"127.0.0.1" not in reply  # addresses go to the log, not to the client
 
 
+def test_a_client_leaving_mid_body_is_counted_as_gone_and_the_router_serves_on(
+    open_router: RouterServer, caplog
+) -> None:
+    """A client that closes its connection before its body has arrived is counted as a
+    client disconnect (no engine leg, no error in the log); the next request is served."""
+    caplog.set_level(logging.ERROR)
+
+    def disconnects() -> float:
+        text = httpx.get(f"{open_router.url}/metrics").text
+        return sample_sum(text, "router_client_disconnects_total")
+
+    before = disconnects()
+    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
+        time.sleep(0.2)  # the handler is reading the body now
+    deadline = time.monotonic() + 5
+    while disconnects() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert disconnects() == before + 1
+    assert "Exception in ASGI application" not in caplog.text
+    after = httpx.post(f"{open_router.url}/v1/completions", content=b"not json")
+    assert after.status_code == 400 and "not valid JSON" in error_of(after)["message"]
+
+
 def test_headers_that_trickle_in_get_the_connection_closed(open_router: RouterServer) -> None:
     with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
         started = time.monotonic()

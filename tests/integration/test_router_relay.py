@@ -1,5 +1,6 @@
 """The relayed decode stream ends its leg exactly once however the client behaves: a client
-gone before the first byte, one that leaves mid-stream, or one that reads to the end. A
+gone as the stream starts, one that leaves mid-stream, or one that reads to the end (and
+when the server stops, or fails to write, while the first event goes out). A
 leg left open would keep the engine connection (the engine never aborts the request) and
 the engine's in-flight count one too high, which least-in-flight routing reads for every
 later request. The router's real objects (pool, health tracker, metrics, handler), driven
@@ -95,7 +96,7 @@ def test_a_relay_that_ran_ends_its_leg_once_with_every_chunk_sent() -> None:
     assert relay.outcomes == ["ok"] and relay.in_flight == 0
 
 
-def test_a_client_gone_before_the_first_byte_still_ends_the_leg() -> None:
+def test_a_client_gone_as_the_stream_starts_still_ends_the_leg() -> None:
     relay = Relay(tokens(1000, pause_s=0.01))
 
     async def send(message: dict) -> None:
@@ -103,6 +104,59 @@ def test_a_client_gone_before_the_first_byte_still_ends_the_leg() -> None:
 
     asyncio.run(relay.stream(SCOPE, disconnects_at_once, send))
     assert relay.outcomes == ["client_disconnected"] and relay.in_flight == 0
+
+
+def test_the_headers_and_first_event_go_out_from_the_response_task_itself() -> None:
+    """The first token reaches the client from the response's own task, not from a task
+    started for the relay (which would cost a turn of the event loop first); what follows
+    is relayed by that task."""
+    relay, senders = Relay(tokens(2)), []
+
+    async def send(message: dict) -> None:
+        senders.append(asyncio.current_task())
+
+    async def respond() -> asyncio.Task | None:
+        await relay.stream(SCOPE, never_disconnects, send)
+        return asyncio.current_task()
+
+    own = asyncio.run(respond())
+    assert senders[0] is own and senders[1] is own
+    assert all(task is not own for task in senders[2:]) and len(senders) > 2
+    assert relay.outcomes == ["ok"]
+
+
+def test_a_server_stopping_while_the_first_event_is_sent_ends_the_leg_once() -> None:
+    """Cancelled while its first send blocks (a client that stopped reading; the server
+    shutting down): counted as a client gone, the leg ended once, the cancel propagates."""
+    relay = Relay(tokens(10))
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(3600)
+
+    async def cancel_it() -> None:
+        task = asyncio.ensure_future(relay.stream(SCOPE, never_disconnects, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
+    assert relay.outcomes == ["client_disconnected"] and relay.in_flight == 0
+    assert relay.metrics.client_disconnects._value.get() == 1
+
+
+def test_a_send_that_fails_is_not_counted_as_a_client_leaving() -> None:
+    relay = Relay(tokens(10))
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            raise RuntimeError("the server could not write")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(relay.stream(SCOPE, never_disconnects, send))
+    assert relay.outcomes == ["router_error"] and relay.in_flight == 0
+    assert relay.metrics.client_disconnects._value.get() == 0
 
 
 def test_a_client_leaving_mid_stream_stops_the_relay_and_ends_the_leg_once() -> None:

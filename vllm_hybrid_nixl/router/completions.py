@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from vllm_hybrid_nixl.router.backends import NoCompatiblePairError
 from vllm_hybrid_nixl.router.fanout import Part, merge_bodies, merged_events, split_request
@@ -86,11 +87,17 @@ class RelayedStream:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             relay = asyncio.ensure_future(self.relay(send))
             await client_left_first(relay, receive)
+        except asyncio.CancelledError:  # the server is stopping, or the client left
+            self.outcome = "client_disconnected"
+            raise
+        except Exception:  # the server failed to send: not the client's leaving
+            self.outcome = "router_error"
+            raise
         finally:
-            if relay is None or not relay.done():  # the client left (or the server stops)
-                if relay is not None:
-                    relay.cancel()
+            if relay is not None and not relay.done():  # the client left mid-stream
+                relay.cancel()
                 self.outcome = "client_disconnected"
+            if self.outcome == "client_disconnected":
                 self.handler.metrics.client_disconnects.inc()
             try:
                 if relay is not None:
@@ -203,6 +210,10 @@ class CompletionHandler:
         except BadRequest as exc:
             self.metrics.requests.labels(endpoint, "bad_request").inc()
             return exc.response
+        except ClientDisconnect:  # gone before its body had arrived: nothing to answer
+            self.metrics.requests.labels(endpoint, "client_disconnected").inc()
+            self.metrics.client_disconnects.inc()
+            return Response(status_code=499)
 
         def finish(outcome: str) -> None:
             self.metrics.requests.labels(endpoint, outcome).inc()

@@ -21,15 +21,26 @@ T = TypeVar("T")
 
 
 async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
-    """``awaitable``'s result, or TimeoutError after ``timeout_s``. On Python 3.11+ it runs in
-    the caller's task (``asyncio.timeout``): no task of its own, so no extra turn of the event
-    loop on the request path; on 3.10, ``asyncio.wait_for``."""
+    """``awaitable``'s result, or the builtin TimeoutError after ``timeout_s``. On Python
+    3.11+ it runs in the caller's task (:func:`within_task`): no task of its own, so no
+    extra turn of the event loop on the request path; on 3.10, :func:`within_wait_for`."""
     if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout_s):
-            return await awaitable
+        return await within_task(awaitable, timeout_s)
+    return await within_wait_for(awaitable, timeout_s)
+
+
+async def within_task(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """:func:`within` in the caller's task (``asyncio.timeout``, Python 3.11+)."""
+    async with asyncio.timeout(timeout_s):  # type: ignore[attr-defined]
+        return await awaitable
+
+
+async def within_wait_for(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """:func:`within` through ``asyncio.wait_for`` (any Python), whose timeout is not the
+    builtin TimeoutError before 3.11."""
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
-    except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
+    except asyncio.TimeoutError as exc:
         raise TimeoutError from exc
 
 
