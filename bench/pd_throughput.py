@@ -69,6 +69,9 @@ def measure_shape(
     shape: str, concurrency: list[int], rounds: int, per_slot: int, lengths: tuple[int, int]
 ) -> list[dict[str, Any]]:
     """Every (round, concurrency, way) run on one stack of ``shape``."""
+    import psutil
+
+    from bench.cpu_waits import engine_processes, run_and_wait_s, thread_times
     from bench.goodput import scrape, stage_means_ms, step_figures
     from bench.goodput_stats import histogram_delta, histogram_quantile
 
@@ -76,6 +79,8 @@ def measure_shape(
     with tiny_stack(spec=model_spec(shape), engine_args=ENGINE_ARGS) as stack:
         warm_up(stack.urls["router"], stack.model)
         warm_up(stack.urls["decode"], stack.model)
+        processes = {role: engine_processes(stack.urls[role]) for role in ENGINES}
+        router = psutil.Process(stack.router_pid)
         for round_index in range(rounds):
             for c in concurrency:
                 order = list(WAYS) if round_index % 2 == 0 else list(WAYS)[::-1]
@@ -84,10 +89,17 @@ def measure_shape(
                     url = stack.urls[WAYS[way]]
                     cached = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
                     scraped = {role: scrape(stack.urls[role]) for role in ENGINES}
+                    threads = {role: thread_times(processes[role]) for role in ENGINES}
+                    router_cpu = sum(router.cpu_times()[:2])
                     result = bench_serve(
                         url, stack.model, c, prompts_for(c, per_slot), stack.work, seed, lengths
                     )
                     later = {role: scrape(stack.urls[role]) for role in ENGINES}
+                    cpu = {
+                        role: run_and_wait_s(threads[role], thread_times(processes[role]))
+                        for role in ENGINES
+                    }
+                    cpu["router"] = {"run_s": sum(router.cpu_times()[:2]) - router_cpu}
                     stages = {role: stage_means_ms(scraped[role], later[role]) for role in ENGINES}
                     decode_itl = histogram_delta(scraped["decode"].itl, later["decode"].itl)
                     after = {role: prefix_cache_counts(stack.urls[role]) for role in ENGINES}
@@ -110,6 +122,9 @@ def measure_shape(
                             "ttfts_ms": [t * 1e3 for t in result["ttfts"] if t],
                             "e2els_ms": [t * 1e3 for t in result["latencies"] if t],
                             "engine_stage_means_ms": stages,
+                            # seconds each engine's threads ran and waited for a CPU over
+                            # the run (bench.cpu_waits), and the router's CPU seconds
+                            "cpu_s": cpu,
                             "prefix_cache_hit_share": hit_shares(cached, after),
                         }
                     )
@@ -119,7 +134,7 @@ def measure_shape(
                         f"{result['median_ttft_ms']:.0f} ms, ITL p50 "
                         f"{result['median_itl_ms']:.1f} ms (decode engine's "
                         f"{runs[-1]['engine_itl_p50_ms']:.1f}), decode engine steps "
-                        f"{runs[-1]['decode_engine_steps']}, engines {stages}",
+                        f"{runs[-1]['decode_engine_steps']}, engines {stages}, CPU s {cpu}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -137,6 +152,11 @@ def mean_of_finite(values: Iterable[float]) -> float:
     """The mean of the values that are numbers; NaN when none is."""
     kept = [v for v in values if not math.isnan(v)]
     return statistics.fmean(kept) if kept else math.nan
+
+
+def cpu_figure(run: dict[str, Any], part: str, figure: str) -> float:
+    """One ``cpu_s`` figure of a run; NaN for runs recorded before it existed."""
+    return run.get("cpu_s", {}).get(part, {}).get(figure, math.nan)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,6 +184,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "decode_generated_per_step": mean_of_finite(
                         r.get("decode_engine_steps", {}).get("generated_per_step", math.nan)
                         for r in chosen
+                    ),
+                    # per 1,000 output tokens: seconds the decode engine's threads waited
+                    # for a CPU (another process had its core) and the router's CPU seconds
+                    "decode_wait_for_cpu_s_per_1k_tokens": mean_of_finite(
+                        1e3 * cpu_figure(r, "decode", "wait_for_cpu_s") / r["output_tokens"]
+                        for r in chosen
+                    ),
+                    "router_cpu_s_per_1k_tokens": mean_of_finite(
+                        1e3 * cpu_figure(r, "router", "run_s") / r["output_tokens"] for r in chosen
                     ),
                     "engine_stage_means_ms": {
                         role: {
@@ -206,8 +235,9 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         "| shape | concurrent | way | output tok/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms "
         "| ITL p50 ms | decode engine ITL p50 ms | decode engine tokens generated a step "
-        "| prefill engine TTFT ms | decode engine queue ms | decode engine TTFT ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill engine TTFT ms | decode engine queue ms | decode engine TTFT ms "
+        "| decode engine's wait for a CPU, s per 1k tokens | router CPU s per 1k tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, by_c in result["by_shape"].items():
         for c, ways in by_c.items():
@@ -221,7 +251,9 @@ def table(result: dict[str, Any]) -> str:
                     f"{row['engine_itl_p50_ms']:.1f} | {row['decode_generated_per_step']:.1f} | "
                     f"{prefill_ttft:.0f} | "
                     f"{stages['decode'].get('queue', math.nan):.0f} | "
-                    f"{stages['decode'].get('ttft', math.nan):.0f} |"
+                    f"{stages['decode'].get('ttft', math.nan):.0f} | "
+                    f"{row.get('decode_wait_for_cpu_s_per_1k_tokens', math.nan):.2f} | "
+                    f"{row.get('router_cpu_s_per_1k_tokens', math.nan):.2f} |"
                 )
     return "\n".join(lines)
 

@@ -78,3 +78,14 @@ def test_runs_without_a_figure_leave_it_out_of_the_pooled_one() -> None:
     assert pooled["pd"]["engine_itl_p50_ms"] == 12.0  # the run without one is left out
     assert pooled["pd"]["decode_generated_per_step"] == 20.0
     assert math.isnan(pooled["decode_alone"]["engine_itl_p50_ms"])  # no run had one
+
+
+def test_cpu_waits_are_per_1k_output_tokens_and_left_out_where_unrecorded() -> None:
+    cpu = {"decode": {"run_s": 3.0, "wait_for_cpu_s": 1.2}, "router": {"run_s": 0.6}}
+    recorded = {**run("tiny", "pd", 32, 600, 1.0, 0), "cpu_s": cpu}
+    older = run("tiny", "pd", 32, 600, 1.0, 1)  # a run from before the figure existed
+    alone = [run("tiny", "decode_alone", 32, 1000, 1.0, i) for i in (0, 1)]
+    pooled = summarize([recorded, older, *alone])["by_shape"]["tiny"]["32"]
+    assert pooled["pd"]["decode_wait_for_cpu_s_per_1k_tokens"] == pytest.approx(2.0)
+    assert pooled["pd"]["router_cpu_s_per_1k_tokens"] == pytest.approx(1.0)
+    assert math.isnan(pooled["decode_alone"]["decode_wait_for_cpu_s_per_1k_tokens"])
