@@ -14,8 +14,10 @@ order that alternates round by round, every run with prompts of its own. The sha
 
 Each run also records the engines' own stage means over it (``bench.goodput.STAGES``: the
 prefill engine's TTFT, the decode engine's queue time, which holds its wait for the KV, its
-first step and TTFT) and the load generator's ITL p50. Not CPU time: vLLM's CPU workers
-spin while they wait for work, so an idle engine shows about a core's worth. Prefix caching
+first step and TTFT) and the load generator's ITL p50; and how long each engine's threads
+ran and waited, runnable, for a CPU (``bench.cpu_waits``; a busy vLLM CPU engine polls for a
+second after each message, so its CPU time alone says little), over a window that also
+holds ``vllm bench serve``'s start and its untimed warm-up requests. Prefix caching
 is off in both engines (``ENGINE_ARGS``); each run records the engines' hit shares (0
 expected).
 Headline: ``pd_vs_decode_alone_tokens_per_s`` per shape at the highest
@@ -186,7 +188,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                         for r in chosen
                     ),
                     # per 1,000 output tokens: seconds the decode engine's threads waited
-                    # for a CPU (another process had its core) and the router's CPU seconds
+                    # for a CPU (another process or its own other threads had the core; over
+                    # the window around bench_serve, warm-up included) and the router's CPU
                     "decode_wait_for_cpu_s_per_1k_tokens": mean_of_finite(
                         1e3 * cpu_figure(r, "decode", "wait_for_cpu_s") / r["output_tokens"]
                         for r in chosen
@@ -277,7 +280,13 @@ def main() -> int:
             shape, args.concurrency, args.rounds, args.prompts_per_slot, lengths
         )
     ]
+    from datetime import datetime, timezone
+
+    from bench.__main__ import commit
+
     result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "lengths": {"input": lengths[0], "output": lengths[1]},
         "rounds": args.rounds,
         "prompts_per_run": {

@@ -3,7 +3,9 @@
 and against the router sending every prompt P/D, side by side in one run, alternating; long
 prompts through the same router still go P/D (the decode engine's NIXL bytes say so).
 
-    python -m bench.short_prompts [--requests 24] [--threshold 64] [--short-words 8 48 120]
+    python -m bench.short_prompts [--requests 24] [--threshold 64] [--short-words 8]
+
+The committed run: ``--requests 80 --threshold 256 --short-words 8 40 80``.
 
 One prefill and one decode ``vllm serve`` (tiny hybrid model, a core each) and two router
 processes in front of them: one without a threshold, one with; and, as the floor any Python
@@ -33,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.end_to_end import RESULTS, start_stack, timed_request, wait_for_health
+from bench.end_to_end import RESULTS, count_tokens, start_stack, timed_request, wait_for_health
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.common.processes import die_with_parent
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
@@ -116,13 +118,6 @@ def passthrough_proxy(upstream: str) -> Iterator[str]:
         proxy.wait(timeout=20)
 
 
-def prompt_token_count(url: str, model: str, text: str) -> int:
-    """``text``'s length in the engine's own tokens (vLLM's ``/tokenize``)."""
-    reply = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=30)
-    reply.raise_for_status()
-    return int(reply.json()["count"])
-
-
 def ttft_rounds(
     ways: dict[str, dict[str, str]], model: str, requests: int, words: int, seed: int
 ) -> dict[str, list[float]]:
@@ -140,6 +135,13 @@ def ttft_rounds(
             if index:
                 ttft[way].append(seconds)
     return ttft
+
+
+def short_prompt_choices(metrics_text: str) -> float:
+    """How many requests the router ran on its short-prompt path, from its /metrics."""
+    from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
+
+    return sample_sum(metrics_text, "router_policy_choices_total", reason="short_prompt")
 
 
 def ratios(ttft: dict[str, list[float]]) -> dict[str, Any]:
@@ -168,13 +170,15 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
         ways["passthrough_proxy"] = {**urls, "router": proxy_url}
         by_words: dict[str, Any] = {}
         for step, words in enumerate(short_words):
-            tokens = prompt_token_count(urls["decode"], model, prompt(0, words))
-            if tokens >= threshold:
+            seed = step * 1_000_000
+            tokens = count_tokens(urls["decode"], model, prompt(0, words))
+            longest = count_tokens(urls["decode"], model, prompt(seed + requests * 10 + 9, words))
+            if longest >= threshold:
                 raise SystemExit(
-                    f"{words}-word prompts are {tokens} tokens, not below --threshold "
+                    f"{words}-word prompts run to {longest} tokens, not below --threshold "
                     f"{threshold}: raise --threshold or pass fewer --short-words"
                 )
-            ttft = ttft_rounds(ways, model, requests, words, seed=step * 1_000_000)
+            ttft = ttft_rounds(ways, model, requests, words, seed=seed)
             by_words[str(words)] = {"prompt_tokens": tokens, **ratios(ttft), "ttft_s": ttft}
             figures = by_words[str(words)]
             print(
@@ -191,8 +195,15 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
             before = read_kv_transfer_counters(urls["decode"])
             asyncio.run(first_token_s(ways["router_conditional"], long_body))
             long_nixl.append((read_kv_transfer_counters(urls["decode"]) - before).nixl_bytes)
-        long_tokens = prompt_token_count(urls["decode"], model, prompt(0, long_words))
+        long_tokens = count_tokens(urls["decode"], model, prompt(0, long_words))
         choices = httpx.get(f"{ways['router_conditional']['router']}/metrics", timeout=10).text
+    taken = short_prompt_choices(choices)
+    expected = (requests + 1) * len(short_words)  # the warm-up round included
+    if taken != expected:  # the router estimates text at 4 bytes a token, not the engine's
+        raise RuntimeError(
+            f"the conditional router ran {taken:g} of the {expected} short prompts on its "
+            "short-prompt path: the figures would not measure that path; raise --threshold"
+        )
     shortest = by_words[str(short_words[0])]
     return {
         "requests": requests,
@@ -241,6 +252,8 @@ def main() -> int:
     parser.add_argument("--long-words", type=int, default=300)
     parser.add_argument("--out", type=Path, default=RESULTS / "short_prompts.json")
     args = parser.parse_args()
+    if args.requests < 2:
+        parser.error("--requests must be at least 2 (a p90 needs two requests a way)")
     started = time.monotonic()
     result = run(args.requests, args.threshold, args.short_words, args.long_words)
     from bench.__main__ import commit
@@ -250,10 +263,11 @@ def main() -> int:
     result["commit"] = commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.out.parent == RESULTS:  # a committed run: its headline into latest.json
+    if args.out.resolve() == (RESULTS / "short_prompts.json").resolve():  # the committed file
         latest_path = RESULTS / "latest.json"
         latest = json.loads(latest_path.read_text()) if latest_path.exists() else {}
         latest_path.write_text(json.dumps({**latest, **latest_keys(result)}, indent=2))
+        print(f"headline written into {latest_path}")
     for words, figures in result["by_prompt_words"].items():
         medians = ", ".join(f"{way} {figures['ttft_median_s'][way] * 1000:.1f}" for way in WAYS)
         print(f"{words} words ({figures['prompt_tokens']} tokens), TTFT median ms: {medians}")

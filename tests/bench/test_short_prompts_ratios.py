@@ -35,3 +35,15 @@ def test_latest_keys_are_keyed_by_prompt_tokens() -> None:
     assert keys["short_prompt_conditional_vs_decode_alone_ttft"] == {"25": round(12.5 / 10.5, 3)}
     assert keys["short_prompt_router_added_ms"] == {"25": 2.0}
     assert keys["short_prompts_commit"] == "abc1234"
+
+
+def test_short_prompt_choices_count_only_that_reason() -> None:
+    from bench.short_prompts import short_prompt_choices
+
+    text = (
+        'router_policy_choices_total{engine="a",reason="short_prompt",role="colocated"} 5.0\n'
+        'router_policy_choices_total{engine="b",reason="short_prompt",role="colocated"} 2.0\n'
+        'router_policy_choices_total{engine="a",reason="cached_prefix",role="colocated"} 9.0\n'
+    )
+    assert short_prompt_choices(text) == 7.0
+    assert short_prompt_choices("") == 0.0

@@ -189,6 +189,8 @@ def test_a_client_leaving_mid_body_is_counted_as_gone_and_the_router_serves_on(
     """A client that closes its connection before its body has arrived is counted as a
     client disconnect (no engine leg, no error in the log); the next request is served."""
     caplog.set_level(logging.ERROR)
+    uvicorn_log = logging.getLogger("uvicorn")  # uvicorn's loggers do not propagate to root
+    uvicorn_log.addHandler(caplog.handler)
 
     def disconnects() -> float:
         text = httpx.get(f"{open_router.url}/metrics").text
@@ -204,6 +206,7 @@ def test_a_client_leaving_mid_body_is_counted_as_gone_and_the_router_serves_on(
     deadline = time.monotonic() + 5
     while disconnects() == before and time.monotonic() < deadline:
         time.sleep(0.05)
+    uvicorn_log.removeHandler(caplog.handler)
     assert disconnects() == before + 1
     assert "Exception in ASGI application" not in caplog.text
     after = httpx.post(f"{open_router.url}/v1/completions", content=b"not json")

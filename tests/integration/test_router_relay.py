@@ -190,3 +190,17 @@ def test_a_broken_engine_stream_ends_with_an_error_event_not_silently() -> None:
     assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
     assert b"127.0.0.1" not in body  # engines by name only
     assert relay.outcomes == ["decode_stream_broken"] and relay.in_flight == 0
+
+
+def test_a_send_that_fails_mid_stream_is_a_router_error() -> None:
+    relay, sent = Relay(tokens(10)), []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) == 4:  # the headers, the first event, one more: then the write fails
+            raise RuntimeError("the server could not write")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(relay.stream(SCOPE, never_disconnects, send))
+    assert relay.outcomes == ["router_error"] and relay.in_flight == 0
+    assert relay.metrics.client_disconnects._value.get() == 0

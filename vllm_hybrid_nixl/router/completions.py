@@ -103,6 +103,9 @@ class RelayedStream:
                 if relay is not None:
                     with suppress(asyncio.CancelledError):
                         await relay
+            except Exception:  # a send failed mid-stream: the router's fault, not the client's
+                self.outcome = "router_error"
+                raise
             finally:  # also when the relay was cancelled before it ran at all
                 self.answer.response.close()  # an unfinished stream: the engine aborts it
                 self.handler.proxy.leg_ended(self.answer.decode)
