@@ -27,8 +27,11 @@ from typing import Any
 import httpx
 
 from bench.end_to_end import RESULTS
-from bench.short_prompts import WAYS, first_token_s, prompt, three_ways
+from bench.short_prompts import first_token_s, prompt, three_ways
 from vllm_hybrid_nixl.deploy.kv_metrics import read_kv_transfer_counters
+
+#: the ways a conversation goes (``bench.short_prompts.three_ways``; no bare relay here)
+WAYS = ("decode_alone", "router_pd", "router_conditional")
 
 
 def run(conversations: int, threshold: int, first_words: int) -> dict[str, Any]:
@@ -36,7 +39,8 @@ def run(conversations: int, threshold: int, first_words: int) -> dict[str, Any]:
     next_turn_nixl: dict[str, list[float]] = {way: [] for way in WAYS}
     with three_ways(threshold) as (model, urls, ways):
         for index in range(conversations + 1):  # the first round warms up: untimed
-            order = WAYS[index % 3 :] + WAYS[: index % 3]
+            shift = index % len(WAYS)
+            order = WAYS[shift:] + WAYS[:shift]
             for offset, way in enumerate(order):
                 body = {"model": model, "max_tokens": 4, "temperature": 0.0}
                 body.update(ignore_eos=True, stream=True)

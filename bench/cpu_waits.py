@@ -53,8 +53,9 @@ def run_and_wait_s(before: ThreadTimes, after: ThreadTimes) -> dict[str, Any]:
         return {"run_s": math.nan, "wait_for_cpu_s": math.nan, "wait_by_thread_s": {}}
     ran = waited = 0
     by_name: dict[str, float] = {}
+    earlier = {(pid, tid): times for (pid, tid, _), times in before.items()}
     for key, (run_now, wait_now) in after.items():
-        run_then, wait_then = before.get(key, (0, 0))
+        run_then, wait_then = earlier.get(key[:2], (0, 0))  # a renamed thread is the same
         ran += run_now - run_then
         waited += wait_now - wait_then
         by_name[key[2]] = by_name.get(key[2], 0.0) + (wait_now - wait_then) / 1e9

@@ -201,8 +201,10 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
     expected = (requests + 1) * len(short_words)  # the warm-up round included
     if taken != expected:  # the router estimates text at 4 bytes a token, not the engine's
         raise RuntimeError(
-            f"the conditional router ran {taken:g} of the {expected} short prompts on its "
-            "short-prompt path: the figures would not measure that path; raise --threshold"
+            f"the conditional router ran {taken:g} requests on its short-prompt path, "
+            f"expected {expected} (every short prompt, no long one): the figures would not "
+            "measure that path; set --threshold between the short and the long prompts' "
+            "lengths as the router estimates them (4 UTF-8 bytes a token)"
         )
     shortest = by_words[str(short_words[0])]
     return {

@@ -196,17 +196,19 @@ def test_a_client_leaving_mid_body_is_counted_as_gone_and_the_router_serves_on(
         text = httpx.get(f"{open_router.url}/metrics").text
         return sample_sum(text, "router_client_disconnects_total")
 
-    before = disconnects()
-    with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"prompt"'
-        )
-        time.sleep(0.2)  # the handler is reading the body now
-    deadline = time.monotonic() + 5
-    while disconnects() == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    uvicorn_log.removeHandler(caplog.handler)
+    try:
+        before = disconnects()
+        with socket.create_connection((open_router.host, open_router.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt"'
+            )
+            time.sleep(0.05)  # the handler starts reading the body (1 s deadline)
+        deadline = time.monotonic() + 5
+        while disconnects() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
     assert disconnects() == before + 1
     assert "Exception in ASGI application" not in caplog.text
     after = httpx.post(f"{open_router.url}/v1/completions", content=b"not json")

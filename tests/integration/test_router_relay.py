@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from vllm_hybrid_nixl.router.backends import BackendPool
-from vllm_hybrid_nixl.router.completions import CompletionHandler, RelayedStream
+from vllm_hybrid_nixl.router.completions import CompletionHandler, FanOutStream, RelayedStream
+from vllm_hybrid_nixl.router.fanout import Part
 from vllm_hybrid_nixl.router.health import HealthTracker
 from vllm_hybrid_nixl.router.leg_http import LegResponse, LegTransportError
 from vllm_hybrid_nixl.router.metrics import RouterMetrics
@@ -203,4 +204,29 @@ def test_a_send_that_fails_mid_stream_is_a_router_error() -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(relay.stream(SCOPE, never_disconnects, send))
     assert relay.outcomes == ["router_error"] and relay.in_flight == 0
+    assert relay.metrics.client_disconnects._value.get() == 0
+
+
+def test_a_batch_stream_whose_send_fails_mid_stream_is_a_router_error() -> None:
+    """The merged stream of a batched request (two parts, two decode legs): a failing write
+    is the router's error, and both legs end."""
+    relay = Relay(tokens(1))  # for its router objects
+    handler, decode = relay.stream.handler, relay.decode
+    handler.proxy.leg_started(decode)  # a second leg in flight, one per part
+    parts = [Part(0, True, {}), Part(1, True, {})]
+    answers = [
+        DecodeAnswer(decode, decode, ScriptedStream(tokens(10)), b"data: 0\n\n") for _ in parts
+    ]
+    outcomes: list[str] = []
+    stream = FanOutStream(parts, answers, handler, outcomes.append)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) == 4:
+            raise RuntimeError("the server could not write")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(stream(SCOPE, never_disconnects, send))
+    assert outcomes == ["router_error"] and relay.in_flight == 0
     assert relay.metrics.client_disconnects._value.get() == 0

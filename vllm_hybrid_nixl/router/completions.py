@@ -97,8 +97,6 @@ class RelayedStream:
             if relay is not None and not relay.done():  # the client left mid-stream
                 relay.cancel()
                 self.outcome = "client_disconnected"
-            if self.outcome == "client_disconnected":
-                self.handler.metrics.client_disconnects.inc()
             try:
                 if relay is not None:
                     with suppress(asyncio.CancelledError):
@@ -107,6 +105,8 @@ class RelayedStream:
                 self.outcome = "router_error"
                 raise
             finally:  # also when the relay was cancelled before it ran at all
+                if self.outcome == "client_disconnected":
+                    self.handler.metrics.client_disconnects.inc()
                 self.answer.response.close()  # an unfinished stream: the engine aborts it
                 self.handler.proxy.leg_ended(self.answer.decode)
                 self.finish(self.outcome)
@@ -165,6 +165,9 @@ class FanOutStream:
             try:
                 with suppress(asyncio.CancelledError):
                     await relay
+            except Exception:  # a send failed mid-stream: the router's fault, not the client's
+                self.outcome = "router_error"
+                raise
             finally:
                 for answer in self.answers:
                     answer.response.close()
