@@ -1,10 +1,15 @@
 """The router's own guards, on a real router (uvicorn on 127.0.0.1) whose engine URLs point
-at a port nobody listens on: everything checked here must be answered without an engine."""
+at a port nobody listens on: everything checked here must be answered without an engine.
+The body deadline's helper, ``limits.within``, is checked on both of its ways at the end: a
+late awaitable gives the builtin TimeoutError (the 408), a timely one its result, and a
+cancel from outside (the server stopping) propagates as a cancel."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import sys
 import time
 from collections.abc import Iterator
 
@@ -14,6 +19,7 @@ import pytest
 from vllm_hybrid_nixl.common.netutil import free_port
 from vllm_hybrid_nixl.deploy.metrics_text import sample_sum
 from vllm_hybrid_nixl.router.backends import BackendPool
+from vllm_hybrid_nixl.router.limits import within, within_task, within_wait_for
 from vllm_hybrid_nixl.router.server import RouterProcess, RouterServer
 from vllm_hybrid_nixl.router.settings import RouterKeys, RouterSettings
 
@@ -367,3 +373,41 @@ def test_a_router_on_a_taken_port_fails_at_start_naming_the_address() -> None:
         router = RouterServer(BackendPool.from_urls([nowhere()], [nowhere()]), port=port)
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
             router.start()
+
+
+WITHIN_WAYS = [within, within_wait_for]
+if sys.version_info >= (3, 11):  # asyncio.timeout is 3.11's
+    WITHIN_WAYS.append(within_task)
+
+
+async def late_result(result: str = "late") -> str:
+    await asyncio.sleep(3600)
+    return result
+
+
+async def soon() -> str:
+    await asyncio.sleep(0)
+    return "soon"
+
+
+@pytest.mark.parametrize("way", WITHIN_WAYS, ids=lambda f: f.__name__)
+def test_a_late_awaitable_times_out_with_the_builtin_timeout_error(way) -> None:
+    with pytest.raises(TimeoutError):
+        asyncio.run(way(late_result(), 0.05))
+
+
+@pytest.mark.parametrize("way", WITHIN_WAYS, ids=lambda f: f.__name__)
+def test_a_timely_awaitable_gives_its_result(way) -> None:
+    assert asyncio.run(way(soon(), 5.0)) == "soon"
+
+
+@pytest.mark.parametrize("way", WITHIN_WAYS, ids=lambda f: f.__name__)
+def test_a_cancel_from_outside_propagates_as_a_cancel(way) -> None:
+    async def cancel_it() -> None:
+        task = asyncio.ensure_future(way(late_result(), 60.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
