@@ -147,11 +147,14 @@ def test_a_server_stopping_while_the_first_event_is_sent_ends_the_leg_once() -> 
     assert relay.metrics.client_disconnects._value.get() == 1
 
 
-def test_a_send_that_fails_is_not_counted_as_a_client_leaving() -> None:
-    relay = Relay(tokens(10))
+@pytest.mark.parametrize("failing_send", [2, 4], ids=["first_event", "mid_stream"])
+def test_a_send_that_fails_is_a_router_error_not_a_client_leaving(failing_send: int) -> None:
+    """The server's write fails on the first event (send 2, after the headers) or later on."""
+    relay, sent = Relay(tokens(10)), []
 
     async def send(message: dict) -> None:
-        if message["type"] == "http.response.body":
+        sent.append(message)
+        if len(sent) == failing_send:
             raise RuntimeError("the server could not write")
 
     with pytest.raises(RuntimeError):
@@ -191,20 +194,6 @@ def test_a_broken_engine_stream_ends_with_an_error_event_not_silently() -> None:
     assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
     assert b"127.0.0.1" not in body  # engines by name only
     assert relay.outcomes == ["decode_stream_broken"] and relay.in_flight == 0
-
-
-def test_a_send_that_fails_mid_stream_is_a_router_error() -> None:
-    relay, sent = Relay(tokens(10)), []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-        if len(sent) == 4:  # the headers, the first event, one more: then the write fails
-            raise RuntimeError("the server could not write")
-
-    with pytest.raises(RuntimeError):
-        asyncio.run(relay.stream(SCOPE, never_disconnects, send))
-    assert relay.outcomes == ["router_error"] and relay.in_flight == 0
-    assert relay.metrics.client_disconnects._value.get() == 0
 
 
 def test_a_batch_stream_whose_send_fails_mid_stream_is_a_router_error() -> None:
