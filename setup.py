@@ -14,7 +14,7 @@ RELEASES = runpy.run_path(
 # `vllm-hybrid-nixl router` and the P/D client.
 ROUTER = [
     "httpx>=0.27",
-    "aiohttp>=3.10",
+    "httptools>=0.6",  # the legs' answers (router/engine_connection.py)
     "fastapi>=0.110",
     "uvicorn>=0.29",
     "prometheus_client>=0.20",
@@ -60,7 +60,7 @@ setup(
         # the router benchmark runs side by side.
         # vllm-router as the data plane (router kind "vllm-router")
         "vllm-router": ["vllm-router>=0.1.17"],
-        "bench": ["matplotlib>=3.8", "vllm-router>=0.1.17"],
+        "bench": ["matplotlib>=3.8", "vllm-router>=0.1.17", "aiohttp>=3.10"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",

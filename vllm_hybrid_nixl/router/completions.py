@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -31,6 +32,8 @@ from vllm_hybrid_nixl.router.settings import RouterSettings
 from vllm_hybrid_nixl.router.validation import request_problem
 
 logger = logging.getLogger("vllm_hybrid_nixl.router")
+
+T = TypeVar("T")
 
 
 class BadRequest(Exception):
@@ -56,6 +59,39 @@ async def client_left_first(work: asyncio.Future[Any], receive: Any) -> bool:
     finally:
         gone.cancel()
     return not work.done()
+
+
+class ClientLeft(Exception):
+    """The client closed its connection while :func:`unless_client_leaves` ran its work."""
+
+
+async def unless_client_leaves(work: Awaitable[T], receive: Any) -> T:
+    """``work``'s result, awaited in the caller's own task (no task of its own, so no turns
+    of the event loop to start it and to hear it finished); a watcher cancels it if the
+    client disconnects first, and then :class:`ClientLeft` is raised. A cancel that is not
+    the watcher's (the server stopping) propagates as usual."""
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("unless_client_leaves needs a running task")
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await until_disconnected(receive)
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        if sys.version_info >= (3, 11):
+            task.uncancel()  # the watcher's cancel is answered here, not by the caller
+        raise ClientLeft from None
+    finally:
+        watcher.cancel()
 
 
 class RelayedStream:
@@ -231,16 +267,12 @@ class CompletionHandler:
         if parts is not None:
             stream = bool(body.get("stream"))
             return await self.handle_parts(path, parts, stream, request, request_id, finish)
-        legs = asyncio.create_task(self.proxy.run(path, body))
-        if await client_left_first(legs, request.receive):  # abort the legs (engines abort)
-            legs.cancel()
-            with suppress(BaseException):
-                await legs
+        try:  # the legs are cancelled (engines abort them) if the client leaves
+            answer = await unless_client_leaves(self.proxy.run(path, body), request.receive)
+        except ClientLeft:
             self.metrics.client_disconnects.inc()
             finish("client_disconnected")
             return Response(status_code=499)
-        try:
-            answer = legs.result()
         except Exception as exc:  # noqa: BLE001 - each kind is answered in failed()
             return self.failed(exc, request_id, finish)
         if not body.get("stream"):

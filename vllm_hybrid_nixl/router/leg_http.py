@@ -1,24 +1,26 @@
-"""The HTTP client of the legs: one aiohttp session (C HTTP parser, no cookie jar) whose pool
-holds up to ``max_connections`` kept-alive connections per engine.
+"""The HTTP client of the legs: kept-alive connections to each engine (at most
+``max_connections`` open per engine, idle ones dropped after ``keepalive_expiry_s``), each
+answer parsed by httptools (:mod:`.engine_connection`).
 
-Measured with py-spy under 32 concurrent requests, httpx's request machinery (anyio, h11,
-cookie extraction) took most of the router's own CPU; the legs are the hot path, so they go
-through aiohttp, while probes and model lists keep httpx. Every failure surfaces as
-:class:`LegTransportError` saying whether the engine may have received the request.
+The legs are the router's hot path: every request and every streamed token passes here, so
+they do not go through a general-purpose client (probes and model lists keep httpx). Every
+failure surfaces as :class:`LegTransportError` saying whether the engine may have received
+the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
-
+from vllm_hybrid_nixl.router.engine_connection import AnswerTimeout, EngineConnection
+from vllm_hybrid_nixl.router.limits import within
 from vllm_hybrid_nixl.router.settings import RouterSettings
-
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class LegTransportError(Exception):
@@ -30,30 +32,177 @@ class LegTransportError(Exception):
         self.kind, self.detail, self.delivered = kind, detail, delivered
 
 
-def transport_error(exc: BaseException) -> LegTransportError:
-    """What ``exc`` (raised by aiohttp while sending or reading a leg) means for the leg."""
-    name = type(exc).__name__
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # no connection was made in time
-        return LegTransportError("timeout", f"timed out ({name})", delivered=False)
-    if isinstance(exc, asyncio.TimeoutError):
-        return LegTransportError("timeout", f"timed out ({name})", delivered=True)
-    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, no route
-        return LegTransportError("unreachable", f"engine unreachable: {exc!r}", delivered=False)
-    return LegTransportError("unreachable", f"engine unreachable: {exc!r}", delivered=True)
+def transport_error(exc: BaseException, delivered: bool) -> LegTransportError:
+    """What ``exc``, raised while connecting (``delivered`` False) or after the request was
+    written (True), means for the leg."""
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return LegTransportError("timeout", f"timed out ({exc or type(exc).__name__})", delivered)
+    return LegTransportError("unreachable", f"engine unreachable: {exc!r}", delivered)
 
 
-LEG_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
+#: What connecting, writing and reading a leg can raise (anything else is a bug).
+LEG_FAILURES = (OSError, ConnectionError, TimeoutError, asyncio.TimeoutError, AnswerTimeout)
+
+
+@dataclass(frozen=True)
+class LegTimeout:
+    """``connect_s``: to get a connection (the wait for a free one included); ``read_s``:
+    the longest silence while the answer is read; ``whole_s``: the whole answer, if bounded."""
+
+    connect_s: float
+    read_s: float
+    whole_s: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+    @classmethod
+    def parse(cls, url: str) -> EngineAddress:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"an engine URL must be http(s)://host:port/..., not {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        path = parts.path or "/"
+        return cls(
+            parts.scheme, parts.hostname, port, path + (f"?{parts.query}" if parts.query else "")
+        )
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+class EnginePool:
+    """The connections to one engine: idle ones reused newest first, at most ``limit`` open,
+    a caller over the limit waiting (within its connect deadline) for one to be returned."""
+
+    def __init__(
+        self, address: EngineAddress, limit: int, keepalive_s: float, tls: ssl.SSLContext | None
+    ) -> None:
+        self.address, self.limit, self.keepalive_s, self.tls = address, limit, keepalive_s, tls
+        self.idle: list[EngineConnection] = []
+        self.open = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.closed = False
+
+    async def acquire(self, connect_s: float) -> EngineConnection:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + connect_s
+        while True:
+            if self.closed:
+                raise ConnectionError("the router's leg client is closed")
+            while self.idle:
+                connection = self.idle.pop()
+                if connection.lost or loop.time() - connection.idle_since > self.keepalive_s:
+                    self._drop(connection)
+                    continue
+                return connection
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"no connection to the engine within {connect_s:g} s")
+            if self.open < self.limit:
+                return await self._connect(loop, remaining)
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await within(waiter, remaining)
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> EngineConnection:
+        self.open += 1
+        try:
+            _, connection = await within(
+                loop.create_connection(
+                    lambda: EngineConnection(loop),
+                    self.address.host,
+                    self.address.port,
+                    ssl=self.tls,
+                ),
+                timeout_s,
+            )
+        except BaseException:
+            self.open -= 1
+            self._wake_one()
+            raise
+        return connection
+
+    def release(self, connection: EngineConnection) -> None:
+        """Ends ``connection``'s exchange: kept for the next leg if it can carry one."""
+        if connection.finish() and not self.closed:
+            self.idle.append(connection)
+        else:
+            self._drop(connection)
+        self._wake_one()
+
+    def _drop(self, connection: EngineConnection) -> None:
+        self.open -= 1
+        if connection.transport is not None and not connection.transport.is_closing():
+            connection.transport.close()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        for connection in self.idle:
+            self._drop(connection)
+        self.idle.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class Exchange:
+    """An engine's answer being read from one pooled connection; :meth:`close` returns the
+    connection (or closes it, if the answer was not read whole) exactly once."""
+
+    def __init__(self, pool: EnginePool, connection: EngineConnection) -> None:
+        self.pool, self.connection = pool, connection
+        self.ended = False
+
+    async def next_chunk(self) -> bytes:
+        try:
+            return await self.connection.next_body()
+        except LEG_FAILURES as exc:
+            raise transport_error(exc, delivered=True) from exc
+
+    async def read_all(self) -> bytes:
+        chunks = []
+        while chunk := await self.next_chunk():
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @property
+    def complete(self) -> bool:
+        return self.connection.complete
+
+    def close(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.pool.release(self.connection)
 
 
 @dataclass
 class LegResponse:
     """An engine's answer: status and content type; the whole body, or (a 200 stream) the
-    open response to read with :meth:`next_chunk` and end with :meth:`close`."""
+    open answer to read with :meth:`next_chunk` and end with :meth:`close`."""
 
     status: int
     content_type: str
     body: bytes = b""
-    stream: aiohttp.ClientResponse | None = None
+    exchange: Exchange | None = None
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -65,22 +214,26 @@ class LegResponse:
     async def next_chunk(self) -> bytes:
         """The stream's next bytes as they arrive, ``b""`` at its end (one await per chunk: the
         relay calls this for every token); raises :class:`LegTransportError` if it breaks."""
-        if self.stream is None:
+        if self.exchange is None:
             return b""
-        try:
-            return await self.stream.content.readany()
-        except LEG_FAILURES as exc:
-            raise transport_error(exc) from exc
+        return await self.exchange.next_chunk()
 
     def close(self) -> None:
         """Ends the stream: a finished one returns its connection to the pool, an unfinished
         one closes it (the engine aborts the request on the disconnect)."""
-        if self.stream is None:
-            return
-        if self.stream.content.at_eof():
-            self.stream.release()
-        else:
-            self.stream.close()
+        if self.exchange is not None:
+            self.exchange.close()
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``headers`` as HTTP header lines; refuses a name or value that would break the
+    request apart (a line break in a configured key)."""
+    lines = []
+    for name, value in headers.items():
+        if any(c in f"{name}{value}" for c in "\r\n\0") or ":" in name:
+            raise ValueError(f"header {name!r} has a character HTTP forbids there")
+        lines.append(f"{name}: {value}\r\n")
+    return "".join(lines).encode("latin-1")
 
 
 class LegClient:
@@ -88,49 +241,80 @@ class LegClient:
     the router's event loop (:meth:`open`, :meth:`aclose`)."""
 
     def __init__(self, settings: RouterSettings, headers: dict[str, str]) -> None:
-        self.settings, self.headers = settings, {**headers, **JSON_HEADERS}
-        self._session: aiohttp.ClientSession | None = None
+        self.settings = settings
+        self._headers = header_lines({**headers, "Content-Type": "application/json"})
+        self._pools: dict[tuple[str, str, int], EnginePool] = {}
+        self._addresses: dict[str, EngineAddress] = {}
+        self._tls: ssl.SSLContext | None = None
+        self._opened = False
 
     async def open(self) -> LegClient:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # no overall cap: the cap is per engine
-            limit_per_host=self.settings.max_connections,
-            # well below the engines' keep-alive (see deploy/keepalive.py)
-            keepalive_timeout=self.settings.keepalive_expiry_s,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), headers=self.headers
-        )
+        self._opened = True
         return self
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for pool in self._pools.values():
+            pool.close()
 
-    def timeout(self, read_s: float, whole_s: float | None = None) -> aiohttp.ClientTimeout:
-        """``connect``: to get a connection (pool wait included); ``read_s``: between bytes."""
-        return aiohttp.ClientTimeout(
-            total=whole_s, connect=self.settings.connect_timeout_s, sock_read=read_s
-        )
+    def timeout(self, read_s: float, whole_s: float | None = None) -> LegTimeout:
+        return LegTimeout(self.settings.connect_timeout_s, read_s, whole_s)
+
+    def _pool(self, address: EngineAddress) -> EnginePool:
+        key = (address.scheme, address.host, address.port)
+        pool = self._pools.get(key)
+        if pool is None:
+            tls = None
+            if address.scheme == "https":
+                self._tls = self._tls or ssl.create_default_context()
+                tls = self._tls
+            pool = EnginePool(
+                address, self.settings.max_connections, self.settings.keepalive_expiry_s, tls
+            )
+            self._pools[key] = pool
+        return pool
+
+    def _address(self, url: str) -> EngineAddress:
+        address = self._addresses.get(url)
+        if address is None:
+            address = self._addresses[url] = EngineAddress.parse(url)
+        return address
 
     async def post(
-        self, url: str, body: dict[str, Any], stream: bool, timeout: aiohttp.ClientTimeout
+        self, url: str, body: dict[str, Any], stream: bool, timeout: LegTimeout
     ) -> LegResponse:
         """The engine's answer; a 200 stream comes back open, anything else read whole."""
-        if self._session is None:
+        if not self._opened:
             raise RuntimeError("LegClient.open() was not awaited")
+        address = self._address(url)
+        pool = self._pool(address)
         data = json.dumps(body).encode()
+        request = b"".join(
+            (
+                f"POST {address.path} HTTP/1.1\r\nHost: {address.host_header}\r\n".encode(),
+                self._headers,
+                b"Content-Length: %d\r\n\r\n" % len(data),
+                data,
+            )
+        )
         try:
-            response = await self._session.post(url, data=data, timeout=timeout)
+            connection = await pool.acquire(timeout.connect_s)
         except LEG_FAILURES as exc:
-            raise transport_error(exc) from exc
-        content_type = response.headers.get("Content-Type", "application/json")
-        if stream and response.status == 200:
-            return LegResponse(response.status, content_type, stream=response)
+            raise transport_error(exc, delivered=False) from exc
+        exchange = Exchange(pool, connection)
         try:
-            payload = await response.read()
+            connection.begin(request, timeout.read_s, timeout.whole_s)
+            await connection.wait_headers()
         except LEG_FAILURES as exc:
-            response.close()
-            raise transport_error(exc) from exc
-        response.release()
-        return LegResponse(response.status, content_type, payload)
+            exchange.close()
+            raise transport_error(exc, delivered=True) from exc
+        except BaseException:
+            exchange.close()
+            raise
+        status, content_type = connection.status, connection.content_type
+        if stream and status == 200:
+            return LegResponse(status, content_type, exchange=exchange)
+        try:
+            payload = await exchange.read_all()
+        finally:
+            exchange.close()
+        return LegResponse(status, content_type, payload)

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from vllm_hybrid_nixl.router.head_coalescing import head_coalescing_protocol
+
 logger = logging.getLogger("vllm_hybrid_nixl.router")
 
 #: Deepest JSON nesting a request may have (OpenAI bodies, tool schemas included, stay far
@@ -155,12 +157,13 @@ def header_deadline_protocol(base: type, header_timeout_s: float) -> type:
 
 
 def uvicorn_http_protocol(header_timeout_s: float) -> type:
-    """uvicorn's fastest available HTTP protocol, with the header deadline."""
+    """uvicorn's fastest available HTTP protocol, with the header deadline, writing a
+    response's head together with its first body bytes (:mod:`.head_coalescing`)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # httptools not installed
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return header_deadline_protocol(base, header_timeout_s)
+    return header_deadline_protocol(head_coalescing_protocol(base), header_timeout_s)
 
 
 def json_depth(value: Any, limit: int) -> int:
