@@ -5,7 +5,10 @@ prompts through the same router still go P/D (the decode engine's NIXL bytes say
 
     python -m bench.short_prompts [--requests 24] [--threshold 64] [--short-words 8]
 
-The committed run: ``--requests 80 --threshold 256 --short-words 8 40 80``.
+The committed runs: ``--requests 80 --threshold 256 --short-words 8 40 80`` (a new client
+connection a request, ``short_prompts.json``) and the same with ``--kept-alive --out
+bench/results/short_prompts_kept_alive.json`` (each way keeps one connection, as ``vllm
+bench serve`` and the ``openai`` client do).
 
 One prefill and one decode ``vllm serve`` (tiny hybrid model, a core each) and two router
 processes in front of them: one without a threshold, one with; and, as the floor any Python
@@ -119,21 +122,47 @@ def passthrough_proxy(upstream: str) -> Iterator[str]:
 
 
 def ttft_rounds(
-    ways: dict[str, dict[str, str]], model: str, requests: int, words: int, seed: int
+    ways: dict[str, dict[str, str]],
+    model: str,
+    requests: int,
+    words: int,
+    seed: int,
+    kept_alive: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds to the first token of ``requests`` new ``words``-word prompts per way, the
-    ways rotated request by request (a first, untimed round warms every way up)."""
+    ways rotated request by request (a first, untimed round warms every way up). Each request
+    opens a connection of its own, or (``kept_alive``) each way keeps one client and its
+    connection for the run, as ``vllm bench serve`` and the ``openai`` client do."""
+    return asyncio.run(_ttft_rounds(ways, model, requests, words, seed, kept_alive))
+
+
+async def _ttft_rounds(
+    ways: dict[str, dict[str, str]],
+    model: str,
+    requests: int,
+    words: int,
+    seed: int,
+    kept_alive: bool,
+) -> dict[str, list[float]]:
     ttft: dict[str, list[float]] = {way: [] for way in WAYS}
-    for index in range(requests + 1):
-        shift = index % len(WAYS)
-        order = WAYS[shift:] + WAYS[:shift]
-        for offset, way in enumerate(order):
-            body = {"model": model, "max_tokens": 4, "temperature": 0.0}
-            body.update(ignore_eos=True, stream=True)
-            body["prompt"] = prompt(seed + index * 10 + offset, words)
-            seconds = asyncio.run(first_token_s(ways[way], body))
-            if index:
-                ttft[way].append(seconds)
+    clients = {way: httpx.AsyncClient(timeout=600) for way in WAYS} if kept_alive else {}
+    try:
+        for index in range(requests + 1):
+            shift = index % len(WAYS)
+            order = WAYS[shift:] + WAYS[:shift]
+            for offset, way in enumerate(order):
+                body = {"model": model, "max_tokens": 4, "temperature": 0.0}
+                body.update(ignore_eos=True, stream=True)
+                body["prompt"] = prompt(seed + index * 10 + offset, words)
+                if kept_alive:
+                    _, seconds, _ = await timed_request(clients[way], "router", ways[way], body)
+                else:
+                    seconds = await first_token_s(ways[way], body)
+                if index:
+                    ttft[way].append(seconds)
+    finally:
+        for client in clients.values():
+            await client.aclose()
     return ttft
 
 
@@ -160,7 +189,13 @@ def ratios(ttft: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-def run(requests: int, threshold: int, short_words: list[int], long_words: int) -> dict[str, Any]:
+def run(
+    requests: int,
+    threshold: int,
+    short_words: list[int],
+    long_words: int,
+    kept_alive: bool = False,
+) -> dict[str, Any]:
     """Every short prompt length in ``short_words``, then long prompts through the
     conditional router (they must still move KV)."""
     with (
@@ -178,7 +213,7 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
                     f"{words}-word prompts run to {longest} tokens, not below --threshold "
                     f"{threshold}: raise --threshold or pass fewer --short-words"
                 )
-            ttft = ttft_rounds(ways, model, requests, words, seed=seed)
+            ttft = ttft_rounds(ways, model, requests, words, seed=seed, kept_alive=kept_alive)
             by_words[str(words)] = {"prompt_tokens": tokens, **ratios(ttft), "ttft_s": ttft}
             figures = by_words[str(words)]
             print(
@@ -209,6 +244,7 @@ def run(requests: int, threshold: int, short_words: list[int], long_words: int) 
     shortest = by_words[str(short_words[0])]
     return {
         "requests": requests,
+        "client_connections": "kept alive, one a way" if kept_alive else "new, one a request",
         "threshold_tokens": threshold,
         "short_prompt_words": short_words,
         "long_prompt_words": long_words,
@@ -252,12 +288,18 @@ def main() -> int:
         "--short-words", type=int, nargs="+", default=[8], help="short prompt lengths, in words"
     )
     parser.add_argument("--long-words", type=int, default=300)
+    parser.add_argument(
+        "--kept-alive",
+        action="store_true",
+        help="each way keeps one client connection for the run (as vllm bench serve and the "
+        "openai client do) instead of a new connection a request",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "short_prompts.json")
     args = parser.parse_args()
     if args.requests < 2:
         parser.error("--requests must be at least 2 (a p90 needs two requests a way)")
     started = time.monotonic()
-    result = run(args.requests, args.threshold, args.short_words, args.long_words)
+    result = run(args.requests, args.threshold, args.short_words, args.long_words, args.kept_alive)
     from bench.__main__ import commit
 
     result["seconds"] = round(time.monotonic() - started, 1)

@@ -370,6 +370,39 @@ def test_an_idle_connection_past_the_keepalive_expiry_is_not_reused() -> None:
     run(test)
 
 
+def test_idle_connections_are_closed_at_the_keepalive_expiry_without_another_leg() -> None:
+    """After a burst, the connections it opened are closed once idle ``keepalive_expiry_s``
+    (not left open until the next leg or the engine's own keep-alive)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await engine.read_request(reader):
+            await asyncio.sleep(0.1)  # long enough for the burst to need a connection each
+            writer.write(json_answer(200, {}))
+            await writer.drain()
+        engine.closed.append(asyncio.get_running_loop().time())
+
+    engine = ScriptedEngine(answer)
+    engine.closed = []
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client(keepalive_expiry_s=0.3).open()
+            burst = [
+                legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5)) for _ in range(4)
+            ]
+            await asyncio.gather(*burst)
+            done = asyncio.get_running_loop().time()
+            await asyncio.sleep(0.15)
+            assert engine.closed == []  # still within the expiry: kept for the next leg
+            await asyncio.sleep(0.6)
+            assert len(engine.closed) == 4, engine.closed
+            assert all(0.25 <= at - done < 0.75 for at in engine.closed), engine.closed
+            await legs.aclose()
+        assert engine.connections == 4
+
+    run(test)
+
+
 def test_a_reader_behind_stops_reading_the_engine_and_still_gets_every_byte() -> None:
     total = 8 * HIGH_WATER_BYTES
     piece = b"y" * 16384

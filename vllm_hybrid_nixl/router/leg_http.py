@@ -86,9 +86,10 @@ class EnginePool:
         self, address: EngineAddress, limit: int, keepalive_s: float, tls: ssl.SSLContext | None
     ) -> None:
         self.address, self.limit, self.keepalive_s, self.tls = address, limit, keepalive_s, tls
-        self.idle: list[EngineConnection] = []
+        self.idle: list[EngineConnection] = []  # oldest first; reused newest first
         self.open = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._sweep: asyncio.TimerHandle | None = None
         self.closed = False
 
     async def acquire(self, connect_s: float) -> EngineConnection:
@@ -138,9 +139,30 @@ class EnginePool:
         """Ends ``connection``'s exchange: kept for the next leg if it can carry one."""
         if connection.finish() and not self.closed:
             self.idle.append(connection)
+            self._schedule_sweep()
         else:
             self._drop(connection)
         self._wake_one()
+
+    def _schedule_sweep(self) -> None:
+        """Idle connections are closed once idle ``keepalive_s``, whether or not another
+        leg comes: one timer, due when the oldest idle connection expires."""
+        if self._sweep is None and self.idle:
+            loop = asyncio.get_running_loop()
+            due = self.idle[0].idle_since + self.keepalive_s + 0.01  # timers may fire early
+            self._sweep = loop.call_at(due, self._sweep_expired)
+
+    def _sweep_expired(self) -> None:
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        kept = []
+        for connection in self.idle:
+            if connection.lost or now - connection.idle_since >= self.keepalive_s:
+                self._drop(connection)
+            else:
+                kept.append(connection)
+        self.idle = kept
+        self._schedule_sweep()
 
     def _drop(self, connection: EngineConnection) -> None:
         self.open -= 1
@@ -156,6 +178,9 @@ class EnginePool:
 
     def close(self) -> None:
         self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for connection in self.idle:
             self._drop(connection)
         self.idle.clear()
