@@ -436,15 +436,126 @@ def test_a_reader_behind_stops_reading_the_engine_and_still_gets_every_byte() ->
     run(test)
 
 
+def test_an_interim_answer_is_skipped_and_the_connection_stays_in_step() -> None:
+    """A 1xx (here 103 Early Hints) before the real answer is not the answer: taking it as
+    one would leave the real answer to be read as the next leg's."""
+
+    async def hints_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await engine.read_request(reader):
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(json_answer(200, {"n": len(engine.requests)}))
+            await writer.drain()
+
+    engine = ScriptedEngine(hints_first)
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client().open()
+            first = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
+            second = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
+            await legs.aclose()
+        assert (first.status, first.json()) == (200, {"n": 1})
+        assert (second.status, second.json()) == (200, {"n": 2})
+        assert first.content_type == "application/json" and engine.connections == 1
+
+    run(test)
+
+
+def test_an_answer_that_ends_at_the_close_is_read_whole() -> None:
+    async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"ok": ')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"true}")
+        await writer.drain()
+
+    engine = ScriptedEngine(close_delimited)
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client().open()
+            answer = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
+            await legs.aclose()
+        assert (answer.status, answer.json()) == (200, {"ok": True})
+
+    run(test)
+
+
+def test_a_closed_stream_reads_nothing_more_even_when_its_connection_serves_again() -> None:
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await engine.read_request(reader):
+            writer.write(SSE_HEAD + chunk(b"data: %d\n\n" % len(engine.requests)))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    engine = ScriptedEngine(stream)
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client().open()
+            first = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
+            assert await first.next_chunk() == b"data: 1\n\n"
+            assert await first.next_chunk() == b""
+            first.close()  # read whole: its connection goes back to the pool
+            second = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
+            assert await first.next_chunk() == b""  # not the second answer's bytes
+            assert await second.next_chunk() == b"data: 2\n\n"
+            second.close()
+            await legs.aclose()
+        assert engine.connections == 1
+
+    run(test)
+
+
+def test_a_waiter_cancelled_after_its_wake_up_passes_the_connection_on() -> None:
+    """With one connection allowed: a leg woken for the freed connection but cancelled
+    before it ran (its client left) must not keep the next waiter waiting for its whole
+    connect deadline."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await engine.read_request(reader):
+            writer.write(json_answer(200, {}))
+            await writer.drain()
+
+    engine = ScriptedEngine(answer)
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client(max_connections=1, connect_timeout_s=5).open()
+            timeout = legs.timeout(5)
+            held = await legs.post(f"{url}/v1/completions", {}, True, timeout)  # 200 stream
+            woken = asyncio.ensure_future(legs.post(f"{url}/v1/completions", {}, False, timeout))
+            later = asyncio.ensure_future(legs.post(f"{url}/v1/completions", {}, False, timeout))
+            await asyncio.sleep(0.1)
+            assert not woken.done() and not later.done()
+            await held.exchange.read_all()
+            held.close()  # wakes `woken` ...
+            woken.cancel()  # ... which is cancelled before it runs
+            started = asyncio.get_running_loop().time()
+            answer = await asyncio.wait_for(later, 10)
+            waited = asyncio.get_running_loop().time() - started
+            await legs.aclose()
+        assert answer.status == 200 and woken.cancelled()
+        assert waited < 2.5, f"the next waiter got the connection only after {waited:.1f} s"
+
+    run(test)
+
+
 def test_a_header_value_with_a_line_break_is_refused() -> None:
     with pytest.raises(ValueError, match="forbids"):
         header_lines({"Authorization": "Bearer a\r\nX-Evil: 1"})
 
 
 def test_the_client_reads_uvicorn_as_vllm_serves_with_it() -> None:
+    peers: set[tuple[str, int]] = set()
+
     async def app(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return
+        peers.add(tuple(scope["client"]))
         body = (await receive())["body"]
         await send(
             {
@@ -479,5 +590,6 @@ def test_the_client_reads_uvicorn_as_vllm_serves_with_it() -> None:
         await legs.aclose()
         server.should_exit = True
         await serving
+        assert len(peers) == 1  # both legs on one kept-alive connection
 
     run(test)

@@ -31,6 +31,11 @@ async def app(scope: dict, receive: Callable, send: Callable) -> None:
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
+    if scope["path"] == "/json":
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+        return
     if scope["path"] == "/close":
         headers = [(b"content-length", b"2"), (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -63,16 +68,16 @@ def server_port() -> Iterator[int]:
     thread.join(10)
 
 
-def request(port: int, path: str) -> socket.socket:
+def request(port: int, path: str, method: str = "GET") -> socket.socket:
     client = socket.create_connection(("127.0.0.1", port), timeout=10)
-    client.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    client.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     return client
 
 
-def test_a_stream_through_the_protocol_arrives_head_and_first_event_together(
+def test_a_stream_through_the_protocol_arrives_whole_and_in_order(
     server_port: int,
 ) -> None:
-    for _ in range(5):  # one write carries both, so the first read holds both
+    for _ in range(5):
         with request(server_port, "/stream") as client:
             first = client.recv(65536)
             assert first.startswith(b"HTTP/1.1 200 OK\r\n"), first
@@ -82,6 +87,14 @@ def test_a_stream_through_the_protocol_arrives_head_and_first_event_together(
             while not rest.endswith(b"0\r\n\r\n"):
                 rest += client.recv(65536)
             assert b"data: second\n\n" in rest
+
+
+def test_the_head_of_an_answer_to_head_is_not_held(server_port: int) -> None:
+    """uvicorn writes no body for HEAD: nothing follows the head, so only the flush at the
+    loop's next pass sends it (the connection stays open)."""
+    with request(server_port, "/json", method="HEAD") as client:
+        answer = client.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\n"), answer
 
 
 @pytest.mark.parametrize("path", ["/empty", "/close"])

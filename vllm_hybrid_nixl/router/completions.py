@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from contextlib import aclosing, suppress
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -87,8 +87,8 @@ async def unless_client_leaves(work: Awaitable[T], receive: Any) -> T:
     except asyncio.CancelledError:
         if not left:
             raise
-        if sys.version_info >= (3, 11):
-            task.uncancel()  # the watcher's cancel is answered here, not by the caller
+        if sys.version_info >= (3, 11) and task.uncancel() > 0:
+            raise  # the server is stopping too: its cancel goes on
         raise ClientLeft from None
     finally:
         watcher.cancel()
@@ -214,9 +214,10 @@ class FanOutStream:
         firsts = [a.first for a in self.answers]
         readers = [a.response.next_chunk for a in self.answers]
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        try:
-            async for chunk in merged_events(self.parts, firsts, readers):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:  # closed even when a send fails: its readers stop before the streams close
+            async with aclosing(merged_events(self.parts, firsts, readers)) as events:
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except LegTransportError as exc:
             self.outcome = "decode_stream_broken"
             logger.warning("a decode stream of a batched request broke: %s", exc.detail)

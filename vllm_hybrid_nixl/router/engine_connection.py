@@ -42,6 +42,8 @@ class EngineConnection(asyncio.Protocol):
         self.status, self.content_type = 0, "application/json"
         self.headers_done = self.complete = False
         self.keep_alive = True
+        self._framed = False  # a Content-Length or chunked body (else it ends at the close)
+        self._interim = False  # a 1xx answer is being read: the real one follows
         self.failure: BaseException | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -51,12 +53,12 @@ class EngineConnection(asyncio.Protocol):
 
     # ---- one exchange ------------------------------------------------------------------
 
-    def begin(self, request: bytes, read_s: float, whole_s: float | None) -> None:
-        """Writes ``request`` and arms the read deadline: ``read_s`` of silence, or
-        ``whole_s`` for the whole answer."""
+    def begin(self, request: bytes, read_s: float, deadline: float | None) -> None:
+        """Writes ``request`` and arms the read deadlines: ``read_s`` of silence, and
+        ``deadline`` (event-loop time) for the whole answer."""
         self._reset()
         self._read_s = read_s
-        self._deadline = None if whole_s is None else self.loop.time() + whole_s
+        self._deadline = deadline
         self.watch()
         if self.transport is None or self.lost:
             raise ConnectionResetError("the connection to the engine is closed")
@@ -118,6 +120,8 @@ class EngineConnection(asyncio.Protocol):
     async def _wait(self) -> None:
         if self.failure is not None:
             raise self.failure
+        if self._waiter is not None:  # a second reader would steal the first one's wake-up
+            raise RuntimeError("an engine answer is being read by two readers at once")
         self._waiter = self.loop.create_future()
         try:
             await self._waiter
@@ -158,17 +162,28 @@ class EngineConnection(asyncio.Protocol):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if exc is None and self.headers_done and not self._framed and not self.complete:
+            self.complete, self.keep_alive = True, False  # an answer that ends at the close
+            self._wake()
         if not self.complete:
             self.fail(exc or ConnectionResetError("the engine closed the connection"))
 
     # ---- httptools callbacks -----------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type":
             self.content_type = value.decode("latin-1")
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._framed = True
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103 Early Hints)
+            self._interim, self._framed = True, False
+            self.content_type = "application/json"
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
         self._wake()
@@ -182,5 +197,8 @@ class EngineConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the parser goes on to the answer that follows it
+            self._interim = False
+            return
         self.complete = True
         self._wake()

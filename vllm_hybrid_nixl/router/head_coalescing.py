@@ -48,9 +48,11 @@ class HeadHoldingTransport(asyncio.Transport):
         return held
 
     def flush(self) -> None:
-        """Writes a held head now."""
+        """Writes a held head now (drops it if the connection is closing: nobody reads it)."""
         if self._held is not None:
-            self._transport.write(self._take_held())
+            held = self._take_held()
+            if not self._transport.is_closing():
+                self._transport.write(held)
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))

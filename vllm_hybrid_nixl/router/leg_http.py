@@ -113,6 +113,10 @@ class EnginePool:
             self._waiters.append(waiter)
             try:
                 await within(waiter, remaining)
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled or late:
+                    self._wake_one()  # the freed connection goes to the next waiter
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
@@ -198,6 +202,8 @@ class Exchange:
         self.ended = False
 
     async def next_chunk(self) -> bytes:
+        if self.ended:  # the connection may carry another exchange by now
+            return b""
         try:
             return await self.connection.next_body()
         except LEG_FAILURES as exc:
@@ -271,13 +277,14 @@ class LegClient:
         self._pools: dict[tuple[str, str, int], EnginePool] = {}
         self._addresses: dict[str, EngineAddress] = {}
         self._tls: ssl.SSLContext | None = None
-        self._opened = False
+        self._opened = self._closed = False
 
     async def open(self) -> LegClient:
         self._opened = True
         return self
 
     async def aclose(self) -> None:
+        self._closed = True
         for pool in self._pools.values():
             pool.close()
 
@@ -310,6 +317,11 @@ class LegClient:
         """The engine's answer; a 200 stream comes back open, anything else read whole."""
         if not self._opened:
             raise RuntimeError("LegClient.open() was not awaited")
+        if self._closed:
+            raise LegTransportError("unreachable", "the router is shutting down", False)
+        deadline = None
+        if timeout.whole_s is not None:  # the whole leg, connecting included
+            deadline = asyncio.get_running_loop().time() + timeout.whole_s
         address = self._address(url)
         pool = self._pool(address)
         data = json.dumps(body).encode()
@@ -327,7 +339,7 @@ class LegClient:
             raise transport_error(exc, delivered=False) from exc
         exchange = Exchange(pool, connection)
         try:
-            connection.begin(request, timeout.read_s, timeout.whole_s)
+            connection.begin(request, timeout.read_s, deadline)
             await connection.wait_headers()
         except LEG_FAILURES as exc:
             exchange.close()
