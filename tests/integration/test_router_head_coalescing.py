@@ -129,9 +129,11 @@ def test_a_head_and_the_write_after_it_reach_the_socket_as_one_write() -> None:
 
     async def test() -> list[list[bytes]]:
         received = bytearray()
+        all_read = asyncio.Event()
 
         async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            received.extend(await reader.read())
+            received.extend(await reader.read())  # to the client's close
+            all_read.set()
             writer.close()
 
         server = await asyncio.start_server(peer, "127.0.0.1", 0)
@@ -151,7 +153,7 @@ def test_a_head_and_the_write_after_it_reach_the_socket_as_one_write() -> None:
         rounds.append(list(counted.writes))  # ... for one pass of the loop only
         holding.write(b"HTTP/1.1 200 OK\r\n\r\n")
         holding.close()  # a held head goes out before the connection closes
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(all_read.wait(), 60)
         server.close()
         rounds.append([bytes(received)])
         return rounds
