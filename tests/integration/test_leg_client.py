@@ -253,7 +253,7 @@ def test_a_stream_silent_past_the_read_deadline_breaks_and_one_that_trickles_doe
     async def test() -> None:
         async with engine.running() as url:
             legs = await client().open()
-            answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(1.5))
+            answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
             got = []
             with pytest.raises(LegTransportError) as caught:
                 while True:
@@ -294,6 +294,10 @@ def test_an_answer_past_the_whole_deadline_times_out_although_bytes_keep_coming(
         pytest.param(SSE_HEAD + chunk(b"data: 1\n\n"), id="closed-mid-stream"),
         pytest.param(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", id="closed-short"),
         pytest.param(b"SMTP ready\r\n\r\n", id="not-http"),
+        pytest.param(
+            b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n",
+            id="upgrade",
+        ),
     ],
 )
 def test_an_engine_that_breaks_its_answer_fails_the_leg_as_delivered(answer: bytes) -> None:
@@ -433,13 +437,13 @@ def test_a_reader_behind_stops_reading_the_engine_and_still_gets_every_byte() ->
     async def test() -> None:
         async with engine.running() as url:
             legs = await client().open()
-            answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(0.5))
+            answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(3))
             connection = answer.exchange.connection
             for _ in range(3000):
                 if connection._paused:
                     break
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(1.0)  # past the read deadline: a lagging reader is no timeout
+            await asyncio.sleep(4.5)  # past the read deadline: a lagging reader is no timeout
             # held at the mark plus at most one socket read (uvloop reads up to 256 kB)
             assert connection._paused and connection._buffered < 2 * HIGH_WATER_BYTES
             received = 0
@@ -500,6 +504,33 @@ def test_an_answer_that_ends_at_the_close_is_read_whole() -> None:
     run(test)
 
 
+def test_an_answer_ending_at_the_close_that_times_out_is_not_a_clean_end() -> None:
+    """A close-delimited answer whose engine goes silent: the read deadline fails it, and
+    the close that follows must not turn the failure into a complete answer."""
+
+    async def silent_after_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await writer.drain()
+        await reader.read()
+
+    engine = ScriptedEngine(silent_after_head)
+
+    async def test() -> None:
+        async with engine.running() as url:
+            legs = await client().open()
+            answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(0.5))
+            assert await answer.next_chunk() == b"data: 1\n\n"
+            await asyncio.sleep(1.5)  # not reading: the deadline fails it, the close follows
+            with pytest.raises(LegTransportError) as caught:
+                await answer.next_chunk()
+            answer.close()
+            await legs.aclose()
+        assert caught.value.kind == "timeout"
+
+    run(test)
+
+
 def test_a_closed_stream_reads_nothing_more_even_when_its_connection_serves_again() -> None:
     async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while await engine.read_request(reader):
@@ -540,8 +571,8 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_the_connection_on() -> None
 
     async def test() -> None:
         async with engine.running() as url:
-            legs = await client(max_connections=1, connect_timeout_s=30).open()
-            timeout = legs.timeout(30)
+            legs = await client(max_connections=1, connect_timeout_s=600).open()
+            timeout = legs.timeout(600)
             held = await legs.post(f"{url}/v1/completions", {}, True, timeout)  # 200 stream
             woken = asyncio.ensure_future(legs.post(f"{url}/v1/completions", {}, False, timeout))
             later = asyncio.ensure_future(legs.post(f"{url}/v1/completions", {}, False, timeout))
@@ -550,12 +581,9 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_the_connection_on() -> None
             await held.exchange.read_all()
             held.close()  # wakes `woken` ...
             woken.cancel()  # ... which is cancelled before it runs
-            started = asyncio.get_running_loop().time()
-            answer = await asyncio.wait_for(later, 60)  # without the hand-on: a timeout at 30 s
-            waited = asyncio.get_running_loop().time() - started
+            answer = await asyncio.wait_for(later, 60)  # without the hand-on: waits 600 s
             await legs.aclose()
         assert answer.status == 200 and woken.cancelled()
-        assert waited < 15, f"the next waiter got the connection only after {waited:.1f} s"
 
     run(test)
 

@@ -1,9 +1,10 @@
 """One kept-alive HTTP/1.1 connection from the router to an engine, one exchange at a time,
 its answers parsed by httptools (llhttp, the C parser uvicorn serves with).
 
-The legs' client used to be aiohttp's. Measured with cProfile on the router's short-prompt
-path (2-core VM), aiohttp spent more CPU on each request and each streamed chunk than the
-router's own code did (request objects, a stream reader, a read timer moved on every chunk).
+The legs' client used to be aiohttp's. Exploratory cProfile runs on the router's
+short-prompt path (2-core VM) had aiohttp spend more CPU on each request and each streamed
+chunk than the router's own code did (request objects, a stream reader, a read timer moved
+on every chunk).
 Here a chunk costs one parser callback and, when a reader waits, one future; a read deadline
 is one timer per exchange, moved only when it fires (:meth:`EngineConnection.watch`).
 """
@@ -37,7 +38,14 @@ class EngineConnection(asyncio.Protocol):
         self._read_s, self._deadline = 0.0, None
         self._reset()
 
+    @property
+    def usable(self) -> bool:
+        """Open, and not being closed (a transport closes a loop pass before it is lost)."""
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
     def _reset(self) -> None:
+        if getattr(self, "_paused", False) and self.usable:
+            self.transport.resume_reading()  # type: ignore[union-attr]
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.content_type = 0, "application/json"
         self.headers_done = self.complete = False
@@ -59,10 +67,8 @@ class EngineConnection(asyncio.Protocol):
         self._reset()
         self._read_s = read_s
         self._deadline = deadline
-        self.watch()
-        if self.transport is None or self.lost:
-            raise ConnectionResetError("the connection to the engine is closed")
-        self.transport.write(request)
+        self.transport.write(request)  # type: ignore[union-attr]
+        self.watch()  # after the write: a deadline already past fails a delivered leg
 
     def watch(self) -> None:
         """(Re)arms the one timer that enforces the deadlines: it fires at the earliest
@@ -88,7 +94,7 @@ class EngineConnection(asyncio.Protocol):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        reusable = self.complete and self.keep_alive and self.failure is None and not self.lost
+        reusable = self.complete and self.keep_alive and self.failure is None and self.usable
         if not reusable and self.transport is not None:
             self.transport.close()  # an unfinished answer: the engine aborts the request
         elif self._paused and self.transport is not None:
@@ -151,7 +157,7 @@ class EngineConnection(asyncio.Protocol):
         self.last_data = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self.fail(ConnectionError(f"the engine's answer is not valid HTTP ({exc})"))
 
     def eof_received(self) -> bool:
@@ -162,7 +168,8 @@ class EngineConnection(asyncio.Protocol):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if exc is None and self.headers_done and not self._framed and not self.complete:
+        ends_at_close = self.headers_done and not self._framed and self.failure is None
+        if exc is None and ends_at_close and not self.complete:
             self.complete, self.keep_alive = True, False  # an answer that ends at the close
             self._wake()
         if not self.complete:
@@ -179,7 +186,10 @@ class EngineConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103 Early Hints)
+        if status == 101:  # a protocol switch nobody asked for: not an answer to a leg
+            self.fail(ConnectionError("the engine answered 101 Switching Protocols"))
+            return
+        if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): the answer follows
             self._interim, self._framed = True, False
             self.content_type = "application/json"
             return

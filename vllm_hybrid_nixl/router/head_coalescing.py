@@ -2,9 +2,9 @@
 
 uvicorn writes a response's head as soon as the app sends ``http.response.start`` and its
 body with each ``http.response.body``: two writes, two segments on the wire, and a client
-woken twice, where the first wake-up brings it nothing to act on. Measured on the router's
-short-prompt path (2-core VM, strace), the client's wake-up for the bare head delayed the
-first token's write by ~1 ms.
+woken twice, where the first wake-up brings it nothing to act on. In an exploratory strace of
+the router's short-prompt path (2-core VM), the client's wake-up for the bare head delayed
+the first token's write by ~1 ms.
 
 :class:`HeadHoldingTransport` wraps the connection's transport: a write that starts a response
 head is held until the next write (sent together, in one write) or until the event loop's

@@ -100,7 +100,7 @@ class EnginePool:
                 raise ConnectionError("the router's leg client is closed")
             while self.idle:
                 connection = self.idle.pop()
-                if connection.lost or loop.time() - connection.idle_since > self.keepalive_s:
+                if not connection.usable or loop.time() - connection.idle_since > self.keepalive_s:
                     self._drop(connection)
                     continue
                 return connection
@@ -161,7 +161,7 @@ class EnginePool:
         now = asyncio.get_running_loop().time()
         kept = []
         for connection in self.idle:
-            if connection.lost or now - connection.idle_since >= self.keepalive_s:
+            if not connection.usable or now - connection.idle_since >= self.keepalive_s:
                 self._drop(connection)
             else:
                 kept.append(connection)
@@ -319,9 +319,10 @@ class LegClient:
             raise RuntimeError("LegClient.open() was not awaited")
         if self._closed:
             raise LegTransportError("unreachable", "the router is shutting down", False)
-        deadline = None
+        deadline, connect_s = None, timeout.connect_s
         if timeout.whole_s is not None:  # the whole leg, connecting included
             deadline = asyncio.get_running_loop().time() + timeout.whole_s
+            connect_s = min(connect_s, timeout.whole_s)
         address = self._address(url)
         pool = self._pool(address)
         data = json.dumps(body).encode()
@@ -334,7 +335,7 @@ class LegClient:
             )
         )
         try:
-            connection = await pool.acquire(timeout.connect_s)
+            connection = await pool.acquire(connect_s)
         except LEG_FAILURES as exc:
             raise transport_error(exc, delivered=False) from exc
         exchange = Exchange(pool, connection)
