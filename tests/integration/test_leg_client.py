@@ -70,6 +70,17 @@ class ScriptedEngine:
         finally:
             server.close()
 
+    @asynccontextmanager
+    async def legs(self, **settings: float) -> AsyncIterator[tuple[str, LegClient]]:
+        """This engine running, and an open leg client (``settings`` for the router), closed
+        before the engine stops."""
+        async with self.running() as url:
+            legs = await client(**settings).open()
+            try:
+                yield url, legs
+            finally:
+                await legs.aclose()
+
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
@@ -108,11 +119,9 @@ def test_answers_are_read_whole_and_the_connection_is_kept_for_the_next_leg() ->
     engine = ScriptedEngine(answer_twice)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             first = await legs.post(f"{url}/v1/completions", {"a": 1}, False, legs.timeout(5))
             second = await legs.post(f"{url}/v1/completions", {"a": 2}, False, legs.timeout(5))
-            await legs.aclose()
         assert (first.status, first.json(), second.json()) == (200, {"n": 1}, {"n": 2})
         assert first.content_type == "application/json"
         assert engine.connections == 1  # the second leg reused the first one's connection
@@ -141,8 +150,7 @@ def test_a_stream_comes_chunk_by_chunk_and_a_finished_one_returns_its_connection
     engine = ScriptedEngine(stream)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             for _ in range(2):
                 answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
                 assert answer.status == 200 and answer.content_type == "text/event-stream"
@@ -153,7 +161,6 @@ def test_a_stream_comes_chunk_by_chunk_and_a_finished_one_returns_its_connection
                 answer.close()
                 answer.close()  # a second close changes nothing
                 assert got == events
-            await legs.aclose()
         assert engine.connections == 1
 
     run(test)
@@ -170,15 +177,13 @@ def test_a_stream_left_unfinished_closes_its_connection() -> None:
     engine = ScriptedEngine(endless)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
             assert await answer.next_chunk() == b"data: 1\n\n"
             answer.close()
             await asyncio.wait_for(engine.closed_by_client.wait(), 5)
             second = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
             second.close()
-            await legs.aclose()
         assert engine.connections == 2  # the unfinished one was not reused
 
     run(test)
@@ -194,10 +199,8 @@ def test_an_error_status_comes_back_read_whole_even_for_a_stream() -> None:
     engine = ScriptedEngine(refuse)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
-            await legs.aclose()
         assert answer.status == 400
         assert answer.json()["error"]["message"] == "prompt too long"
         assert answer.exchange is None and await answer.next_chunk() == b""
@@ -226,11 +229,9 @@ def test_an_engine_silent_before_its_headers_times_out_as_delivered() -> None:
     engine = ScriptedEngine(silent)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             with pytest.raises(LegTransportError) as caught:
                 await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(0.3))
-            await legs.aclose()
         assert caught.value.kind == "timeout" and caught.value.delivered
 
     run(test)
@@ -251,15 +252,13 @@ def test_a_stream_silent_past_the_read_deadline_breaks_and_one_that_trickles_doe
     engine = ScriptedEngine(trickle_then_stall)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
             got = []
             with pytest.raises(LegTransportError) as caught:
                 while True:
                     got.append(await answer.next_chunk())
             answer.close()
-            await legs.aclose()
         assert b"".join(got) == b"".join(b"data: %d\n\n" % i for i in range(6))
         assert caught.value.kind == "timeout" and caught.value.delivered
 
@@ -278,11 +277,9 @@ def test_an_answer_past_the_whole_deadline_times_out_although_bytes_keep_coming(
     engine = ScriptedEngine(trickle)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             with pytest.raises(LegTransportError) as caught:
                 await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(60, 0.5))
-            await legs.aclose()
         assert caught.value.kind == "timeout" and caught.value.delivered
 
     run(test)
@@ -309,13 +306,11 @@ def test_an_engine_that_breaks_its_answer_fails_the_leg_as_delivered(answer: byt
     engine = ScriptedEngine(broken)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             with pytest.raises(LegTransportError) as caught:
                 response = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
                 while await response.next_chunk():
                     pass
-            await legs.aclose()
         assert caught.value.kind == "unreachable" and caught.value.delivered
 
     run(test)
@@ -333,8 +328,7 @@ def test_legs_over_the_connection_limit_wait_for_one_and_give_up_at_the_connect_
     engine = ScriptedEngine(stream_until_closed)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client(max_connections=1).open()
+        async with engine.legs(max_connections=1) as (url, legs):
             first = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(30))
             with pytest.raises(LegTransportError) as caught:  # gives up waiting at 0.3 s
                 await legs.post(f"{url}/v1/completions", {}, True, LegTimeout(0.3, 30))
@@ -348,7 +342,6 @@ def test_legs_over_the_connection_limit_wait_for_one_and_give_up_at_the_connect_
             second = await asyncio.wait_for(waiting, 60)
             assert await second.next_chunk() == b"data: 1\n\n"
             second.close()
-            await legs.aclose()
         assert engine.connections == 2
 
     run(test)
@@ -363,14 +356,12 @@ def test_an_idle_connection_past_the_keepalive_expiry_is_not_reused() -> None:
     engine = ScriptedEngine(answer)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client(keepalive_expiry_s=0.2).open()
+        async with engine.legs(keepalive_expiry_s=0.2) as (url, legs):
             await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
             await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
             assert engine.connections == 1
             await asyncio.sleep(0.4)
             await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
-            await legs.aclose()
         assert engine.connections == 2
 
     run(test)
@@ -396,8 +387,7 @@ def test_idle_connections_are_closed_at_the_keepalive_expiry_without_another_leg
     engine = ScriptedEngine(answer)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client(keepalive_expiry_s=expiry_s).open()
+        async with engine.legs(keepalive_expiry_s=expiry_s) as (url, legs):
             burst = [
                 asyncio.ensure_future(
                     legs.post(f"{url}/v1/completions", {}, False, legs.timeout(30))
@@ -412,7 +402,6 @@ def test_idle_connections_are_closed_at_the_keepalive_expiry_without_another_leg
                 if len(idle_for) == 4:
                     break
                 await asyncio.sleep(0.01)
-            await legs.aclose()
         assert engine.connections == 4 and len(idle_for) == 4, idle_for
         assert min(idle_for) >= expiry_s * 0.9, idle_for  # kept for the expiry, not less
 
@@ -435,8 +424,7 @@ def test_a_reader_behind_stops_reading_the_engine_and_still_gets_every_byte() ->
     engine = ScriptedEngine(flood)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(3))
             connection = answer.exchange.connection
             for _ in range(3000):
@@ -450,7 +438,6 @@ def test_a_reader_behind_stops_reading_the_engine_and_still_gets_every_byte() ->
             while data := await answer.next_chunk():
                 received += len(data)
             answer.close()
-            await legs.aclose()
         assert received == total
 
     run(test)
@@ -471,11 +458,9 @@ def test_an_interim_answer_is_skipped_and_the_connection_stays_in_step() -> None
     engine = ScriptedEngine(hints_first)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             first = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
             second = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
-            await legs.aclose()
         assert (first.status, first.json()) == (200, {"n": 1})
         assert (second.status, second.json()) == (200, {"n": 2})
         assert first.content_type == "application/json" and engine.connections == 1
@@ -495,10 +480,8 @@ def test_an_answer_that_ends_at_the_close_is_read_whole() -> None:
     engine = ScriptedEngine(close_delimited)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, False, legs.timeout(5))
-            await legs.aclose()
         assert (answer.status, answer.json()) == (200, {"ok": True})
 
     run(test)
@@ -517,15 +500,13 @@ def test_an_answer_ending_at_the_close_that_times_out_is_not_a_clean_end() -> No
     engine = ScriptedEngine(silent_after_head)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             answer = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(0.5))
             assert await answer.next_chunk() == b"data: 1\n\n"
             await asyncio.sleep(1.5)  # not reading: the deadline fails it, the close follows
             with pytest.raises(LegTransportError) as caught:
                 await answer.next_chunk()
             answer.close()
-            await legs.aclose()
         assert caught.value.kind == "timeout"
 
     run(test)
@@ -541,8 +522,7 @@ def test_a_closed_stream_reads_nothing_more_even_when_its_connection_serves_agai
     engine = ScriptedEngine(stream)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client().open()
+        async with engine.legs() as (url, legs):
             first = await legs.post(f"{url}/v1/completions", {}, True, legs.timeout(5))
             assert await first.next_chunk() == b"data: 1\n\n"
             assert await first.next_chunk() == b""
@@ -551,7 +531,6 @@ def test_a_closed_stream_reads_nothing_more_even_when_its_connection_serves_agai
             assert await first.next_chunk() == b""  # not the second answer's bytes
             assert await second.next_chunk() == b"data: 2\n\n"
             second.close()
-            await legs.aclose()
         assert engine.connections == 1
 
     run(test)
@@ -570,8 +549,7 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_the_connection_on() -> None
     engine = ScriptedEngine(answer)
 
     async def test() -> None:
-        async with engine.running() as url:
-            legs = await client(max_connections=1, connect_timeout_s=600).open()
+        async with engine.legs(max_connections=1, connect_timeout_s=600) as (url, legs):
             timeout = legs.timeout(600)
             held = await legs.post(f"{url}/v1/completions", {}, True, timeout)  # 200 stream
             woken = asyncio.ensure_future(legs.post(f"{url}/v1/completions", {}, False, timeout))
@@ -582,7 +560,6 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_the_connection_on() -> None
             held.close()  # wakes `woken` ...
             woken.cancel()  # ... which is cancelled before it runs
             answer = await asyncio.wait_for(later, 60)  # without the hand-on: waits 600 s
-            await legs.aclose()
         assert answer.status == 200 and woken.cancelled()
 
     run(test)

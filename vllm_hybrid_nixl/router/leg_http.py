@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from vllm_hybrid_nixl.router.engine_connection import AnswerTimeout, EngineConnection
+from vllm_hybrid_nixl.router.engine_connection import EngineConnection
 from vllm_hybrid_nixl.router.limits import within
 from vllm_hybrid_nixl.router.settings import RouterSettings
 
@@ -40,8 +40,10 @@ def transport_error(exc: BaseException, delivered: bool) -> LegTransportError:
     return LegTransportError("unreachable", f"engine unreachable: {exc!r}", delivered)
 
 
-#: What connecting, writing and reading a leg can raise (anything else is a bug).
-LEG_FAILURES = (OSError, ConnectionError, TimeoutError, asyncio.TimeoutError, AnswerTimeout)
+#: What connecting, writing and reading a leg can raise (anything else is a bug): OSError
+#: holds ConnectionError and TimeoutError (so ``AnswerTimeout``); asyncio's TimeoutError is
+#: its own class before Python 3.11.
+LEG_FAILURES = (OSError, asyncio.TimeoutError)
 
 
 @dataclass(frozen=True)
