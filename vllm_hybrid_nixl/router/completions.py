@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing, suppress
 from typing import Any, TypeVar
@@ -247,20 +247,22 @@ class CompletionHandler:
         self, path: str, endpoint: str, request: Request
     ) -> Response | RelayedStream | FanOutStream:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex[:16]}"
+        request_id = request.headers.get("x-request-id") or f"router-{secrets.token_hex(8)}"
         try:
             body = await self.checked_body(endpoint, request)
         except BadRequest as exc:
-            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            self.metrics.child(self.metrics.requests, endpoint, "bad_request").inc()
             return exc.response
         except ClientDisconnect:  # gone before its body had arrived: nothing to answer
-            self.metrics.requests.labels(endpoint, "client_disconnected").inc()
+            self.metrics.child(self.metrics.requests, endpoint, "client_disconnected").inc()
             self.metrics.client_disconnects.inc()
             return Response(status_code=499)
 
         def finish(outcome: str) -> None:
-            self.metrics.requests.labels(endpoint, outcome).inc()
-            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
+            self.metrics.child(self.metrics.request_seconds, endpoint).observe(
+                time.perf_counter() - started
+            )
             self.metrics.in_flight.dec()
 
         self.metrics.in_flight.inc()

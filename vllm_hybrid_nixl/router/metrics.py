@@ -3,11 +3,19 @@ process, e.g. in tests)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 
 class RouterMetrics:
+    """The router's metrics. Per-request code takes labelled children through
+    :meth:`child`, which looks each one up once (``labels()`` validates and locks on every
+    call, and a streamed request touches seven)."""
+
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "router_requests",
@@ -78,3 +86,12 @@ class RouterMetrics:
             buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
+
+    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """``metric.labels(*values)``, cached: label sets are bounded (engines, legs,
+        outcomes, reasons), and no child is ever removed from these metrics."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found

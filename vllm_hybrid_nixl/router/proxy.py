@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +211,7 @@ def leg_request_id() -> str:
     """One id for both legs of one attempt: vLLM's push mode pairs a decode leg with its
     prefill by it (its base, vLLM's random suffix stripped), and a re-run gets a new one so
     it can never be paired with the failed attempt's prefill."""
-    return f"vhn-{uuid.uuid4().hex}"
+    return f"vhn-{secrets.token_hex(16)}"
 
 
 async def lease_was_released(params: dict[str, Any]) -> str:
@@ -274,7 +274,7 @@ class Disaggregator:
         except BaseException:
             self.leg_ended(backend)
             raise
-        self.metrics.leg_seconds.labels(leg).observe(time.perf_counter() - started)
+        self.metrics.child(self.metrics.leg_seconds, leg).observe(time.perf_counter() - started)
         if response.status == 503 and upstream_error(response).get("type") == DRAINING_TYPE:
             raise self._draining(leg, backend, response)
         if response.status != 200:
@@ -290,10 +290,12 @@ class Disaggregator:
             if kind == "client_error":  # the engine is fine; the request was at fault
                 self.health.record_success(backend)
                 self.leg_ended(backend)
-                self.metrics.leg_requests.labels(leg, backend.url, "client_error").inc()
+                self.metrics.child(
+                    self.metrics.leg_requests, leg, backend.url, "client_error"
+                ).inc()
                 raise error
             raise self._failed(error)
-        self.metrics.leg_requests.labels(leg, backend.url, "ok").inc()
+        self.metrics.child(self.metrics.leg_requests, leg, backend.url, "ok").inc()
         self.health.record_success(backend)
         if not stream:
             self.leg_ended(backend)
@@ -303,7 +305,7 @@ class Disaggregator:
         """The engine is shutting down and refused the leg before running it: out of
         rotation until a probe finds it serving again; the leg was not delivered."""
         self.leg_ended(backend)
-        self.metrics.leg_requests.labels(leg, backend.url, "draining").inc()
+        self.metrics.child(self.metrics.leg_requests, leg, backend.url, "draining").inc()
         self.health.mark_draining(backend)
         logger.info("engine %s (%s) is draining; it leaves rotation", backend.label, backend.url)
         return LegError(
@@ -312,18 +314,20 @@ class Disaggregator:
 
     def _failed(self, error: LegError) -> LegError:
         self.leg_ended(error.backend)
-        self.metrics.leg_requests.labels(error.leg, error.backend.url, error.kind).inc()
+        self.metrics.child(
+            self.metrics.leg_requests, error.leg, error.backend.url, error.kind
+        ).inc()
         self.health.record_failure(error.backend, error.detail)
         logger.warning("%s", error.message)
         return error
 
     def leg_started(self, backend: Backend) -> None:
         self.health.leg_started(backend)
-        self.metrics.engine_in_flight.labels(backend.url).inc()
+        self.metrics.child(self.metrics.engine_in_flight, backend.url).inc()
 
     def leg_ended(self, backend: Backend) -> None:
         self.health.leg_ended(backend)
-        self.metrics.engine_in_flight.labels(backend.url).dec()
+        self.metrics.child(self.metrics.engine_in_flight, backend.url).dec()
 
     # ---- engine choice ---------------------------------------------------------------
 
@@ -344,7 +348,7 @@ class Disaggregator:
         def by_policy(candidates: list[Backend]) -> Backend:
             backend, reason = choose(candidates, policy, self.health.in_flight, key)
             if count:
-                self.metrics.policy_choices.labels(role, reason, backend.url).inc()
+                self.metrics.child(self.metrics.policy_choices, role, reason, backend.url).inc()
             return backend
 
         return self.pool.pick(role, usable, [*exclude, *avoid], by_policy) or self.pool.pick(
@@ -387,7 +391,7 @@ class Disaggregator:
                 if not exc.engine_fault:
                     raise
                 tried.append(exc)
-                self.metrics.retries.labels("prefill").inc()
+                self.metrics.child(self.metrics.retries, "prefill").inc()
                 continue
             try:
                 answer = response.json()
@@ -432,7 +436,7 @@ class Disaggregator:
                 if exc.delivered or len(tried) + 1 >= self.settings.decode_attempts:
                     raise
                 tried.append(exc)  # never reached the engine: the blocks are still there
-                self.metrics.retries.labels("decode").inc()
+                self.metrics.child(self.metrics.retries, "decode").inc()
                 continue
             if not stream:
                 return DecodeAnswer(prefill, decode, response)
@@ -479,7 +483,7 @@ class Disaggregator:
             engine = self._pick(role, self.health.usable, [], [], count=False)
             if engine is None:
                 continue
-            self.metrics.policy_choices.labels("colocated", reason, engine.url).inc()
+            self.metrics.child(self.metrics.policy_choices, "colocated", reason, engine.url).inc()
             logger.info(
                 "no %s engine could take the request; running it colocated on %s",
                 missing.leg,
@@ -535,7 +539,7 @@ class Disaggregator:
         engine, reason = self.colocated_engine(body, path.endswith("/chat/completions"), chunks)
         if engine is None:
             return None, []
-        self.metrics.policy_choices.labels("colocated", reason, engine.url).inc()
+        self.metrics.child(self.metrics.policy_choices, "colocated", reason, engine.url).inc()
         leg_body = {**body, "request_id": leg_request_id()}
         try:
             return await self._colocated_leg(engine, path, leg_body, stream), []
@@ -589,7 +593,7 @@ class Disaggregator:
                     exc.message,
                     f" (the prefill's KV lease: {released})" if released else "",
                 )
-                self.metrics.retries.labels("request").inc()
+                self.metrics.child(self.metrics.retries, "request").inc()
                 if released:
                     self.metrics.lease_reruns.inc()
                     # The decode engine answered as it should: the prefill released the
