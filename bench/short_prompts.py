@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -173,12 +174,35 @@ def short_prompt_choices(metrics_text: str) -> float:
     return sample_sum(metrics_text, "router_policy_choices_total", reason="short_prompt")
 
 
+def median_ratio_interval(
+    numerator: list[float], denominator: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95 % bootstrap interval of median(numerator) / median(denominator): both samples
+    drawn again with replacement ``resamples`` times (a fixed seed, so a run's figures are
+    reproducible from its samples)."""
+    draw = random.Random(seed).choices
+    found = sorted(
+        statistics.median(draw(numerator, k=len(numerator)))
+        / statistics.median(draw(denominator, k=len(denominator)))
+        for _ in range(resamples)
+    )
+    return found[int(0.025 * resamples)], found[int(0.975 * resamples) - 1]
+
+
 def ratios(ttft: dict[str, list[float]]) -> dict[str, Any]:
-    """Medians, p90s, each way's median against the decode engine alone's, and the router's
-    added milliseconds (median against median)."""
+    """Medians, p90s, each way's median against the decode engine alone's (with a 95 %
+    bootstrap interval for the router and the bare relay), and the router's added
+    milliseconds (median against median)."""
     medians = {way: statistics.median(values) for way, values in ttft.items()}
     alone = medians["decode_alone"]
+    alone_samples = ttft["decode_alone"]
     return {
+        "conditional_vs_decode_alone_ttft_95ci": median_ratio_interval(
+            ttft["router_conditional"], alone_samples
+        ),
+        "passthrough_vs_decode_alone_ttft_95ci": median_ratio_interval(
+            ttft["passthrough_proxy"], alone_samples
+        ),
         "ttft_median_s": medians,
         "ttft_p90_s": {way: statistics.quantiles(v, n=10)[-1] for way, v in ttft.items()},
         "conditional_vs_decode_alone_ttft": medians["router_conditional"] / alone,
@@ -216,10 +240,11 @@ def run(
             ttft = ttft_rounds(ways, model, requests, words, seed=seed, kept_alive=kept_alive)
             by_words[str(words)] = {"prompt_tokens": tokens, **ratios(ttft), "ttft_s": ttft}
             figures = by_words[str(words)]
+            low, high = figures["conditional_vs_decode_alone_ttft_95ci"]
             print(
                 f"{words} words ({tokens} tokens): conditional / decode alone "
                 f"{figures['conditional_vs_decode_alone_ttft']:.2f}x "
-                f"(+{figures['conditional_added_ms']:.1f} ms)",
+                f"(95% interval {low:.2f}-{high:.2f}x, +{figures['conditional_added_ms']:.1f} ms)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -266,6 +291,10 @@ def latest_keys(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "short_prompt_conditional_vs_decode_alone_ttft": {
             tokens: round(f["conditional_vs_decode_alone_ttft"], 3)
+            for tokens, f in by_tokens.items()
+        },
+        "short_prompt_conditional_vs_decode_alone_ttft_95ci": {
+            tokens: [round(bound, 3) for bound in f["conditional_vs_decode_alone_ttft_95ci"]]
             for tokens, f in by_tokens.items()
         },
         "short_prompt_router_added_ms": {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.short_prompts import WAYS, ratios
+from bench.short_prompts import WAYS, median_ratio_interval, ratios
 
 
 def test_ratios_are_medians_against_the_decode_engine_alone() -> None:
@@ -47,3 +47,22 @@ def test_short_prompt_choices_count_only_that_reason() -> None:
     )
     assert short_prompt_choices(text) == 7.0
     assert short_prompt_choices("") == 0.0
+
+
+def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_requests() -> None:
+    alone = [0.010 + 0.001 * (i % 7) for i in range(40)]
+    router = [t * 1.2 for t in alone]
+    low, high = median_ratio_interval(router, alone)
+    assert low <= 1.2 <= high
+    assert low > 1.0  # 40 requests a way tell 1.2x from parity here
+    wide = median_ratio_interval(router[:8], alone[:8])
+    assert wide[1] - wide[0] > high - low
+    assert median_ratio_interval(router, alone) == (low, high)  # reproducible from the samples
+
+
+def test_ratios_carry_intervals_for_the_router_and_the_bare_relay() -> None:
+    ttft = {way: [0.010, 0.012, 0.011, 0.013] for way in WAYS}
+    figures = ratios(ttft)
+    for key in ("conditional_vs_decode_alone_ttft_95ci", "passthrough_vs_decode_alone_ttft_95ci"):
+        low, high = figures[key]
+        assert low <= 1.0 <= high
