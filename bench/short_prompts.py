@@ -177,16 +177,23 @@ def short_prompt_choices(metrics_text: str) -> float:
 def median_ratio_interval(
     numerator: list[float], denominator: list[float], resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
-    """A 95 % bootstrap interval of median(numerator) / median(denominator): both samples
-    drawn again with replacement ``resamples`` times (a fixed seed, so a run's figures are
-    reproducible from its samples)."""
+    """A 95 % bootstrap interval of median(numerator) / median(denominator). The samples are
+    paired (sample i of each way ran in the same round of the rotation), so rounds are drawn
+    again with replacement, ``resamples`` times, with a fixed seed: a run's interval is
+    reproducible from its samples."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError("the two ways need the same number of rounds, at least one")
+    rounds = range(len(numerator))
     draw = random.Random(seed).choices
-    found = sorted(
-        statistics.median(draw(numerator, k=len(numerator)))
-        / statistics.median(draw(denominator, k=len(denominator)))
-        for _ in range(resamples)
-    )
-    return found[int(0.025 * resamples)], found[int(0.975 * resamples) - 1]
+    found = []
+    for _ in range(resamples):
+        picked = draw(rounds, k=len(rounds))
+        found.append(
+            statistics.median(numerator[i] for i in picked)
+            / statistics.median(denominator[i] for i in picked)
+        )
+    found.sort()
+    return found[round(0.025 * resamples)], found[round(0.975 * resamples) - 1]
 
 
 def ratios(ttft: dict[str, list[float]]) -> dict[str, Any]:
@@ -344,9 +351,11 @@ def main() -> int:
     for words, figures in result["by_prompt_words"].items():
         medians = ", ".join(f"{way} {figures['ttft_median_s'][way] * 1000:.1f}" for way in WAYS)
         print(f"{words} words ({figures['prompt_tokens']} tokens), TTFT median ms: {medians}")
+        low, high = figures["conditional_vs_decode_alone_ttft_95ci"]
         print(
             f"  conditional / decode alone {figures['conditional_vs_decode_alone_ttft']:.2f}x "
-            f"(+{figures['conditional_added_ms']:.1f} ms), P/D / decode alone "
+            f"(95% interval {low:.2f}-{high:.2f}x, +{figures['conditional_added_ms']:.1f} ms), "
+            "P/D / decode alone "
             f"{figures['pd_vs_decode_alone_ttft']:.2f}x, a bare Python hop / decode alone "
             f"{figures['passthrough_vs_decode_alone_ttft']:.2f}x"
         )

@@ -34,6 +34,8 @@ def test_latest_keys_are_keyed_by_prompt_tokens() -> None:
     keys = latest_keys(result)
     assert keys["short_prompt_conditional_vs_decode_alone_ttft"] == {"25": round(12.5 / 10.5, 3)}
     assert keys["short_prompt_router_added_ms"] == {"25": 2.0}
+    low, high = keys["short_prompt_conditional_vs_decode_alone_ttft_95ci"]["25"]
+    assert low <= round(12.5 / 10.5, 3) <= high
     assert keys["short_prompts_commit"] == "abc1234"
 
 
@@ -58,6 +60,20 @@ def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_requests() -> 
     wide = median_ratio_interval(router[:8], alone[:8])
     assert wide[1] - wide[0] > high - low
     assert median_ratio_interval(router, alone) == (low, high)  # reproducible from the samples
+
+
+def test_the_interval_pairs_rounds_so_a_drift_both_ways_share_cancels() -> None:
+    """Both ways slow down together round by round (the machine drifting): paired rounds
+    keep the ratio's interval tight around it; drawn independently it would be wide."""
+    alone = [0.010 * (1 + i / 10) for i in range(40)]
+    router = [t * 1.1 for t in alone]
+    low, high = median_ratio_interval(router, alone)
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.1)
+
+
+def test_ways_of_different_rounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="same number of rounds"):
+        median_ratio_interval([0.01, 0.02], [0.01])
 
 
 def test_ratios_carry_intervals_for_the_router_and_the_bare_relay() -> None:
